@@ -1,0 +1,106 @@
+"""Running Triton kernels on a CPU through Triton's interpreter (tests and the CPU demo only).
+
+Enable it with ``LIGER_DSPINE_INTERPRET=1`` in the environment before ``liger_dspine`` is imported, or by calling
+:func:`enable_cpu_interpreter` before any Triton kernel module (liger-kernel's or this package's) is imported.
+Kernels are decorated when their module is imported, and only kernels decorated while ``TRITON_INTERPRET=1`` is set
+run through the interpreter.
+
+Two gaps of the interpreter are filled here:
+- Python float kernel arguments arrive as plain floats, so ``eps.to(tl.float32)`` fails: they are wrapped as fp32
+  scalars, as the compiler does.
+- ``libdevice.rsqrt`` and ``libdevice.tanh`` are declarations without a body: they are mapped to ``tl`` functions.
+The interpreter treats bf16 bit patterns as integers, so only fp32 and fp16 results are right on a CPU.
+"""
+
+import os
+import sys
+
+ENV_FLAG = "LIGER_DSPINE_INTERPRET"
+_KERNEL_MODULE_PREFIXES = ("liger_kernel.ops", "liger_dspine.ops")
+_enabled = False
+
+HOW_TO_ENABLE = (
+    f"set {ENV_FLAG}=1 in the environment before importing liger_dspine (or call "
+    "liger_dspine.enable_cpu_interpreter() before the first patch is applied); it runs the Triton kernels through "
+    "Triton's interpreter, which is slow and meant for tests"
+)
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def enable_from_environment() -> None:
+    if os.environ.get(ENV_FLAG, "").strip().lower() in ("1", "true", "yes", "on"):
+        enable_cpu_interpreter()
+
+
+def enable_cpu_interpreter() -> None:
+    """Route every Triton kernel of liger-kernel and liger-dspine through Triton's interpreter."""
+    global _enabled
+    if _enabled:
+        return
+    compiled = [name for name in sys.modules if name.startswith(_KERNEL_MODULE_PREFIXES)]
+    if compiled and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "liger-dspine: the CPU interpreter must be enabled before Triton kernel modules are imported; "
+            f"already imported: {', '.join(sorted(compiled)[:5])}. Set {ENV_FLAG}=1 before starting Python."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    # The fused-MoE autotuner needs a GPU driver.
+    os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
+    _patch_float_arguments()
+    _patch_libdevice()
+    _enabled = True
+
+
+def _patch_float_arguments() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._implicit_cvt, "_liger_dspine", False):
+        return
+    original = interpreter._implicit_cvt
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            handle = interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32)
+            return tl.tensor(handle, tl.float32)
+        return original(arg)
+
+    implicit_cvt._liger_dspine = True
+    interpreter._implicit_cvt = implicit_cvt
+
+
+def _patch_libdevice() -> None:
+    replacements = {"rsqrt": _rsqrt, "tanh": _tanh}
+    for name in ("triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice"):
+        try:
+            module = __import__(name, fromlist=["_"])
+        except ImportError:
+            continue
+        for fn_name, fn in replacements.items():
+            setattr(module, fn_name, fn)
+
+
+def _rsqrt(x):
+    # Resolved at call time: inside an interpreted kernel ``tl`` is bound to the interpreter's builder.
+    import triton.language as tl
+
+    return tl.rsqrt(x)
+
+
+def _tanh(x):
+    # Runs inside interpreted kernels, where ``tl`` operates on NumPy-backed tensors.
+    import triton.language as tl
+
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+def check_kernel_device(tensor, what: str) -> None:
+    """Fail clearly when a CPU tensor reaches a compiled Triton kernel."""
+    if tensor.device.type == "cpu" and not _enabled:
+        raise RuntimeError(f"liger-dspine: {what} got a CPU tensor, and Triton kernels need a GPU. To run on a CPU, {HOW_TO_ENABLE}.")
