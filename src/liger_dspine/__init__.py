@@ -1,8 +1,31 @@
-"""liger-dspine: Liger kernels for DeepSeek-V3 and DSpine drafters, as a plugin for liger-kernel."""
+"""liger-dspine: Liger kernels for DeepSeek-V3 and DSpine drafters, as a plugin for liger-kernel.
+
+Importing this package imports no Triton kernel: kernels load when a patch is applied. Set
+``LIGER_DSPINE_INTERPRET=1`` before import to run them on a CPU through Triton's interpreter (tests, demos).
+"""
 
 from liger_dspine._interpreter import enable_cpu_interpreter
 from liger_dspine._interpreter import enable_from_environment as _enable_from_environment
 
 _enable_from_environment()
 
-__all__ = ["enable_cpu_interpreter"]
+from liger_dspine.auto_model import AutoLigerDSpineForCausalLM  # noqa: E402
+from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine.models.deepseek_v3.apply import revert_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine.patching import PatchReport  # noqa: E402
+from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
+from liger_dspine.registry import apply_liger_kernel  # noqa: E402
+from liger_dspine.registry import apply_liger_kernel_to_instance  # noqa: E402
+from liger_dspine.registry import register_with_liger  # noqa: E402
+
+__all__ = [
+    "AutoLigerDSpineForCausalLM",
+    "MODEL_TYPE_TO_APPLY_LIGER_FN",
+    "PatchReport",
+    "apply_liger_kernel",
+    "apply_liger_kernel_to_deepseek_v3",
+    "apply_liger_kernel_to_instance",
+    "enable_cpu_interpreter",
+    "register_with_liger",
+    "revert_liger_kernel_to_deepseek_v3",
+]

@@ -103,4 +103,6 @@ def _tanh(x):
 def check_kernel_device(tensor, what: str) -> None:
     """Fail clearly when a CPU tensor reaches a compiled Triton kernel."""
     if tensor.device.type == "cpu" and not _enabled:
-        raise RuntimeError(f"liger-dspine: {what} got a CPU tensor, and Triton kernels need a GPU. To run on a CPU, {HOW_TO_ENABLE}.")
+        raise RuntimeError(
+            f"liger-dspine: {what} got a CPU tensor, and Triton kernels need a GPU. To run on a CPU, {HOW_TO_ENABLE}."
+        )

@@ -1,0 +1,51 @@
+from liger_dspine import patching
+from liger_dspine._versions import require_supported_versions
+from liger_dspine.models.deepseek_v3.spec import DEEPSEEK_V3_SPEC
+
+
+def apply_liger_kernel_to_deepseek_v3(
+    rope: bool = False,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+) -> patching.PatchReport:
+    """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
+
+    Args:
+        rope: interleaved partial RoPE kernel. Not available yet: True raises NotImplementedError.
+        cross_entropy: loss from Liger's cross-entropy kernel on materialised logits.
+        fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
+            logits (``lce_forward``). Exclusive with ``cross_entropy``.
+        rms_norm: every ``DeepseekV3RMSNorm`` -> ``LigerRMSNorm``.
+        swiglu: dense MLPs and shared experts -> ``LigerSwiGLUMLP``; batched routed experts ->
+            ``LigerFusedExperts`` (liger-kernel's fused MoE).
+        model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
+            the Liger modules); a built DeepSeek-V3 model patches only that instance.
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    if cross_entropy and fused_linear_cross_entropy:
+        raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path")
+    if rope:
+        raise NotImplementedError(
+            "rope=True: the interleaved partial RoPE kernel for DeepSeek-V3 is not available yet; pass rope=False"
+        )
+    require_supported_versions()
+    options = dict(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+    )
+    if model is None:
+        return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)
+    return patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
+
+
+def revert_liger_kernel_to_deepseek_v3() -> list[str]:
+    """Restore every class and function a class-level apply replaced (the same objects); returns their names."""
+    return patching.revert_class_level(DEEPSEEK_V3_SPEC)

@@ -1,0 +1,32 @@
+"""What the DeepSeek-V3 patch replaces, as data: each swap names the option that enables it."""
+
+from liger_dspine.patching import ClassSwap
+from liger_dspine.patching import MethodSwap
+from liger_dspine.patching import PatchSpec
+
+MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+
+DEEPSEEK_V3_SPEC = PatchSpec(
+    model_type="deepseek_v3",
+    module=MODELING,
+    base_class="DeepseekV3PreTrainedModel",
+    swaps=(
+        # final norm, input / post-attention norms, q_a_layernorm (with q_lora_rank), kv_a_layernorm
+        ClassSwap("rms_norm", ("DeepseekV3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
+        # dense MLPs and shared experts
+        ClassSwap("swiglu", ("DeepseekV3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        # batched routed experts (DeepseekV3NaiveMoe before transformers 5.9)
+        ClassSwap(
+            "swiglu", ("DeepseekV3Experts", "DeepseekV3NaiveMoe"), "liger_dspine.modules.experts:LigerFusedExperts"
+        ),
+        MethodSwap(
+            "fused_linear_cross_entropy",
+            "DeepseekV3ForCausalLM",
+            "forward",
+            "liger_dspine.modules.causal_lm_forward:lce_forward",
+        ),
+        MethodSwap(
+            "cross_entropy", "DeepseekV3ForCausalLM", "forward", "liger_dspine.modules.causal_lm_forward:ce_forward"
+        ),
+    ),
+)

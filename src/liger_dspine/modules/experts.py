@@ -1,0 +1,51 @@
+import torch
+from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+from torch import nn
+
+from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.modules.swiglu import check_activation
+
+
+def _num_experts(config) -> int:
+    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    raise ValueError("liger-dspine: the config names no expert count (n_routed_experts / num_local_experts)")
+
+
+class LigerFusedExperts(nn.Module):
+    """Routed SwiGLU experts through liger-kernel's fused MoE Triton kernels.
+
+    Weights as transformers' batched experts: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
+    forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H].
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_activation(config, "LigerFusedExperts")
+        self.num_experts = _num_experts(config)
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> None:
+        if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
+            raise ValueError("liger-dspine: LigerFusedExperts has no expert biases; this experts module has them")
+        module.num_experts, module.hidden_dim, module.intermediate_dim = (
+            module.gate_up_proj.shape[0],
+            module.gate_up_proj.shape[2],
+            module.down_proj.shape[2],
+        )
+        module.__class__ = cls
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        check_kernel_device(hidden_states, "LigerFusedExperts")
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        index = top_k_index.reshape(-1, top_k_index.shape[-1]).to(torch.int32)
+        weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
+        out = LigerFusedMoEFunction.apply(x, self.gate_up_proj, self.down_proj, index, weights)
+        return out.view(shape)

@@ -1,0 +1,30 @@
+import torch
+from liger_kernel.transformers.rms_norm import LigerRMSNorm as _LigerKernelRMSNorm
+
+from liger_dspine._interpreter import check_kernel_device
+
+
+class LigerRMSNorm(_LigerKernelRMSNorm):
+    """RMSNorm with fp32 statistics and ``weight * x_normed.to(input_dtype)`` ("llama" casting), as
+    ``DeepseekV3RMSNorm`` and ``Qwen3RMSNorm`` compute it. Built as ``LigerRMSNorm(hidden_size, eps)``.
+
+    The backward writes into a fresh gradient buffer (``in_place=False``): the incoming gradient may be shared
+    with another branch of the graph, and overwriting it would corrupt that branch.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps=eps, casting_mode="llama", in_place=False)
+
+    @classmethod
+    def convert(cls, module: torch.nn.Module) -> None:
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None:
+            eps = getattr(module, "eps")
+        module.variance_epsilon = eps
+        module.offset, module.casting_mode, module.in_place, module.row_mode = 0.0, "llama", False, None
+        module.elementwise_affine = module.weight is not None
+        module.__class__ = cls
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        check_kernel_device(hidden_states, "LigerRMSNorm")
+        return super().forward(hidden_states)

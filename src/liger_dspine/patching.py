@@ -1,0 +1,239 @@
+"""One engine for every model: applies a declarative patch spec at class level or to one instance.
+
+A spec lists swaps. Each swap is enabled by one option of the model's apply function and names what it replaces:
+- ``ClassSwap``: a class looked up through a module global (``modeling_x.FooRMSNorm``). At class level the global
+  is rebound, so models built afterwards use the replacement; on an instance, every module of the native class
+  is converted in place (``module.__class__`` becomes the replacement, parameters and hooks untouched).
+- ``MethodSwap``: a method of a class (``FooForCausalLM.forward``). At class level the class attribute is
+  rebound; on an instance the function is bound to that instance only.
+
+Replacements are named as ``"package.module:attribute"`` and imported only when a swap is applied, so importing
+``liger_dspine`` imports no Triton kernel. The engine records every original it replaced: applying twice is a
+no-op, and ``revert`` puts back exactly the objects it found (identity, not reload). Parameter and buffer names
+never change, so a patched model's ``state_dict()`` equals the native one key for key.
+"""
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from dataclasses import field
+from types import MethodType
+from typing import Callable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ClassSwap:
+    """Replace a class that modeling code looks up through a module global."""
+
+    option: str
+    names: tuple[str, ...]  # candidate global names, newest first (classes were renamed across versions)
+    replacement: str  # "module:attribute"
+    module: str | None = None  # defaults to the spec's module
+    required: bool = True  # missing in every supported version is an error
+
+
+@dataclass(frozen=True)
+class MethodSwap:
+    """Replace a method of a class (for example the causal LM's ``forward``)."""
+
+    option: str
+    owner: str
+    method: str
+    replacement: str
+    module: str | None = None
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    model_type: str
+    module: str  # the transformers modeling module
+    base_class: str  # every model class of this family derives from it (instance patches check it)
+    swaps: tuple[ClassSwap | MethodSwap, ...]
+
+
+@dataclass
+class Replacement:
+    target: str  # "module.Class" or "module.Class.method", or the instance path of a submodule kind
+    old: str
+    new: str
+    count: int | None = None  # modules converted, for instance patches
+    already: bool = False  # found already patched: nothing changed
+
+
+@dataclass
+class PatchReport:
+    """What an apply call replaced, old -> new; ``str()`` gives one line per replacement."""
+
+    model_type: str
+    scope: str  # "class" or "instance"
+    replacements: list[Replacement] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"liger-dspine patch for {self.model_type} ({self.scope} level):"]
+        if not self.replacements:
+            lines.append("  nothing replaced")
+        for r in self.replacements:
+            count = f" x{r.count}" if r.count is not None else ""
+            state = " (already patched)" if r.already else ""
+            lines.append(f"  {r.target}{count}: {r.old} -> {r.new}{state}")
+        return "\n".join(lines)
+
+    def __iter__(self):
+        return iter(self.replacements)
+
+    def __len__(self) -> int:
+        return len(self.replacements)
+
+
+# (module name, attribute path) -> the original object found there before the first class-level swap.
+_ORIGINALS: dict[tuple[str, str], object] = {}
+
+
+def load_object(path: str):
+    module_name, _, attribute = path.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def qualified_name(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def check_options(fn: Callable, options: dict) -> None:
+    """Raise TypeError naming every option ``fn`` does not take (nothing is silently dropped)."""
+    params = inspect.signature(fn).parameters
+    unknown = sorted(name for name in options if name not in params)
+    if unknown:
+        accepted = ", ".join(name for name in params if name != "model")
+        raise TypeError(
+            f"{fn.__name__}() got unknown option(s) {', '.join(map(repr, unknown))}; it accepts: {accepted}"
+        )
+
+
+def _enabled_swaps(spec: PatchSpec, options: dict[str, bool]):
+    for swap in spec.swaps:
+        if swap.option not in options:
+            raise KeyError(f"swap option {swap.option!r} of spec {spec.model_type!r} is not an apply option")
+        if options[swap.option]:
+            yield swap
+
+
+def _resolve_class_global(spec: PatchSpec, swap: ClassSwap):
+    """The module and the first of ``swap.names`` it defines, or (module, None)."""
+    module = importlib.import_module(swap.module or spec.module)
+    for name in swap.names:
+        if name in vars(module):
+            return module, name
+    if swap.required:
+        raise RuntimeError(
+            f"liger-dspine: {module.__name__} defines none of {', '.join(swap.names)}; "
+            "this transformers version is not supported by the patch"
+        )
+    return module, None
+
+
+def native_class(spec: PatchSpec, swap: ClassSwap):
+    """The class a swap replaces, as transformers defines it (even after a class-level patch)."""
+    module, name = _resolve_class_global(spec, swap)
+    if name is None:
+        return None
+    return _ORIGINALS.get((module.__name__, name), getattr(module, name))
+
+
+def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
+    report = PatchReport(spec.model_type, "class")
+    for swap in _enabled_swaps(spec, options):
+        new = load_object(swap.replacement)
+        if isinstance(swap, ClassSwap):
+            module, name = _resolve_class_global(spec, swap)
+            if name is None:
+                continue
+            holder, attribute, target = module, name, f"{module.__name__}.{name}"
+        else:
+            module = importlib.import_module(swap.module or spec.module)
+            holder, attribute = getattr(module, swap.owner), swap.method
+            name = f"{swap.owner}.{swap.method}"
+            target = f"{module.__name__}.{name}"
+        current = vars(holder).get(attribute)
+        key = (module.__name__, name)
+        if current is new:
+            report.replacements.append(
+                Replacement(target, qualified_name(_ORIGINALS[key]), qualified_name(new), None, True)
+            )
+            continue
+        _ORIGINALS.setdefault(key, current)
+        setattr(holder, attribute, new)
+        report.replacements.append(Replacement(target, qualified_name(current), qualified_name(new)))
+    return report
+
+
+def revert_class_level(spec: PatchSpec) -> list[str]:
+    """Put back every original a class-level apply of ``spec`` replaced; returns the restored targets."""
+    restored = []
+    for swap in spec.swaps:
+        module_name = swap.module or spec.module
+        if isinstance(swap, ClassSwap):
+            keys = [(module_name, name) for name in swap.names]
+        else:
+            keys = [(module_name, f"{swap.owner}.{swap.method}")]
+        for key in keys:
+            if key not in _ORIGINALS:
+                continue
+            original = _ORIGINALS.pop(key)
+            module = importlib.import_module(key[0])
+            if isinstance(swap, ClassSwap):
+                setattr(module, key[1], original)
+            else:
+                setattr(getattr(module, swap.owner), swap.method, original)
+            restored.append(f"{key[0]}.{key[1]}")
+    return restored
+
+
+def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Module) -> PatchReport:
+    """Convert the modules of one model; module globals and other instances stay untouched."""
+    base = getattr(importlib.import_module(spec.module), spec.base_class)
+    if not isinstance(model, base):
+        raise TypeError(
+            f"liger-dspine: the {spec.model_type} patch needs a {base.__name__} subclass as `model`, "
+            f"got {type(model).__name__}"
+        )
+    report = PatchReport(spec.model_type, "instance")
+    for swap in _enabled_swaps(spec, options):
+        new = load_object(swap.replacement)
+        if isinstance(swap, ClassSwap):
+            old = native_class(spec, swap)
+            if old is None:
+                continue
+            converted = already = 0
+            for module in model.modules():
+                if isinstance(module, new):
+                    already += 1
+                elif isinstance(module, old):
+                    new.convert(module)
+                    converted += 1
+            if converted or already:
+                report.replacements.append(
+                    Replacement(
+                        f"{old.__name__} modules",
+                        qualified_name(old),
+                        qualified_name(new),
+                        converted or already,
+                        already=not converted,
+                    )
+                )
+        else:
+            owner = getattr(importlib.import_module(swap.module or spec.module), swap.owner)
+            if not isinstance(model, owner):
+                continue
+            bound = vars(model).get(swap.method)
+            if getattr(type(model), swap.method) is new or (isinstance(bound, MethodType) and bound.__func__ is new):
+                report.replacements.append(Replacement(f"model.{swap.method}", "", qualified_name(new), None, True))
+                continue
+            old = getattr(type(model), swap.method)
+            setattr(model, swap.method, MethodType(new, model))
+            report.replacements.append(Replacement(f"model.{swap.method}", qualified_name(old), qualified_name(new)))
+    return report

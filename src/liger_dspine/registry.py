@@ -1,0 +1,71 @@
+"""Model type -> apply function, lookups by model or config, and the hook into liger-kernel's own table."""
+
+import logging
+
+from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.patching import check_options
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPE_TO_APPLY_LIGER_FN = {
+    "deepseek_v3": apply_liger_kernel_to_deepseek_v3,
+}
+
+
+def _lookup(model_type: str):
+    try:
+        return MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
+        raise ValueError(f"liger-dspine has no patch for model type {model_type!r}; supported: {supported}") from None
+
+
+def apply_liger_kernel(model_type: str, **options):
+    """Class-level patch for ``model_type``; an option the patch function does not take is a TypeError."""
+    fn = _lookup(model_type)
+    check_options(fn, options)
+    if "model" in options:
+        raise TypeError("apply_liger_kernel() patches classes; use apply_liger_kernel_to_instance(model) for a model")
+    return fn(**options)
+
+
+def model_type_of(model) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise ValueError(f"{type(model).__name__} has no config.model_type to choose a patch by")
+    return model_type
+
+
+def apply_liger_kernel_to_instance(model, **options):
+    """Patch one built model, chosen by ``model.config.model_type``."""
+    fn = _lookup(model_type_of(model))
+    check_options(fn, options)
+    if "model" in options:
+        raise TypeError("apply_liger_kernel_to_instance() takes the model as its first argument, not as an option")
+    return fn(model=model, **options)
+
+
+def register_with_liger(override: bool = True) -> dict[str, list[str]]:
+    """Put this package's apply functions into liger-kernel's ``MODEL_TYPE_TO_APPLY_LIGER_FN``.
+
+    liger-kernel's ``AutoLigerKernelForCausalLM`` and ``transformers.Trainer(use_liger_kernel=True)`` look patches
+    up in that table by ``config.model_type``. ``override=True`` replaces entries liger-kernel already has
+    (it has ``deepseek_v3``); ``override=False`` only adds missing ones.
+
+    Returns ``{"registered": [...], "left_alone": [...]}``: model types now served by this package, and those
+    whose liger-kernel entry was kept.
+    """
+    from liger_kernel.transformers import monkey_patch
+
+    table = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN
+    registered, left_alone = [], []
+    for model_type, fn in MODEL_TYPE_TO_APPLY_LIGER_FN.items():
+        current = table.get(model_type)
+        if current is not None and current is not fn and not override:
+            left_alone.append(model_type)
+            continue
+        table[model_type] = fn
+        registered.append(model_type)
+    logger.info("liger-dspine registered %s with liger-kernel; left alone: %s", registered, left_alone)
+    return {"registered": registered, "left_alone": left_alone}
