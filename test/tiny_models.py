@@ -1,7 +1,6 @@
 """Tiny DeepSeek-V3 configurations and helpers shared by the tests (CPU-sized: the interpreter is slow)."""
 
 import torch
-
 from transformers import DeepseekV3Config
 
 

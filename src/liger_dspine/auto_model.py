@@ -2,10 +2,11 @@
 
 import inspect
 
-from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN
-from liger_dspine.registry import apply_liger_kernel
 from transformers import AutoConfig
 from transformers import AutoModelForCausalLM
+
+from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN
+from liger_dspine.registry import apply_liger_kernel
 
 
 def _split_kwargs(model_type: str, kwargs: dict) -> tuple[dict, dict]:

@@ -43,6 +43,7 @@ class MethodSwap:
     method: str
     replacement: str
     module: str | None = None
+    required: bool = True  # False: the method exists only in some supported versions
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,10 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
         else:
             module = importlib.import_module(swap.module or spec.module)
             holder, attribute = getattr(module, swap.owner), swap.method
+            if attribute not in vars(holder):
+                if swap.required:
+                    raise RuntimeError(f"liger-dspine: {module.__name__}.{swap.owner} has no {attribute}")
+                continue
             name = f"{swap.owner}.{swap.method}"
             target = f"{module.__name__}.{name}"
         current = vars(holder).get(attribute)
@@ -213,7 +218,7 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                 if isinstance(module, new):
                     already += 1
                 elif isinstance(module, old):
-                    new.convert(module)
+                    _convert(module, new)
                     converted += 1
             if converted or already:
                 report.replacements.append(
@@ -227,13 +232,41 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                 )
         else:
             owner = getattr(importlib.import_module(swap.module or spec.module), swap.owner)
-            if not isinstance(model, owner):
+            if swap.method not in vars(owner):
+                if swap.required:
+                    raise RuntimeError(f"liger-dspine: {owner.__qualname__} has no {swap.method}")
                 continue
-            bound = vars(model).get(swap.method)
-            if getattr(type(model), swap.method) is new or (isinstance(bound, MethodType) and bound.__func__ is new):
-                report.replacements.append(Replacement(f"model.{swap.method}", "", qualified_name(new), None, True))
-                continue
-            old = getattr(type(model), swap.method)
-            setattr(model, swap.method, MethodType(new, model))
-            report.replacements.append(Replacement(f"model.{swap.method}", qualified_name(old), qualified_name(new)))
+            converted = already = 0
+            for instance in (m for m in model.modules() if isinstance(m, owner)):
+                bound = vars(instance).get(swap.method)
+                if getattr(type(instance), swap.method) is new or (
+                    isinstance(bound, MethodType) and bound.__func__ is new
+                ):
+                    already += 1
+                    continue
+                setattr(instance, swap.method, MethodType(new, instance))
+                converted += 1
+            if converted or already:
+                old = vars(owner)[swap.method]
+                report.replacements.append(
+                    Replacement(
+                        f"{swap.owner}.{swap.method} of the instance",
+                        qualified_name(old),
+                        qualified_name(new),
+                        converted or already,
+                        already=not converted,
+                    )
+                )
     return report
+
+
+def _convert(module: nn.Module, new: type) -> None:
+    """Turn a native module into ``new`` in place: its ``convert`` sets any state it adds; a subclass of the
+    native class that adds none only needs its class switched."""
+    convert = getattr(new, "convert", None)
+    if convert is not None:
+        convert(module)
+    elif isinstance(module, new.__mro__[1]):
+        module.__class__ = new
+    else:
+        raise TypeError(f"liger-dspine: {new.__name__} cannot convert a {type(module).__name__} in place")

@@ -10,6 +10,8 @@ def apply_liger_kernel_to_deepseek_v3(
     rms_norm: bool = True,
     swiglu: bool = True,
     model=None,
+    *,
+    moe_router: bool = True,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
@@ -21,6 +23,8 @@ def apply_liger_kernel_to_deepseek_v3(
         rms_norm: every ``DeepseekV3RMSNorm`` -> ``LigerRMSNorm``.
         swiglu: dense MLPs and shared experts -> ``LigerSwiGLUMLP``; batched routed experts ->
             ``LigerFusedExperts`` (liger-kernel's fused MoE).
+        moe_router: (keyword-only) DeepSeek-V3's sigmoid + grouped top-k routing in one Triton kernel, with a
+            router-logit GEMM that keeps no fp32 copy of the hidden states for backward.
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 
@@ -40,6 +44,7 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_linear_cross_entropy=fused_linear_cross_entropy,
         rms_norm=rms_norm,
         swiglu=swiglu,
+        moe_router=moe_router,
     )
     if model is None:
         return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)

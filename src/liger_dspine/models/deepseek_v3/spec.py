@@ -19,6 +19,17 @@ DEEPSEEK_V3_SPEC = PatchSpec(
         ClassSwap(
             "swiglu", ("DeepseekV3Experts", "DeepseekV3NaiveMoe"), "liger_dspine.modules.experts:LigerFusedExperts"
         ),
+        # sigmoid + grouped top-k routing in one kernel (the layout of transformers >= 5.13, and before it)
+        ClassSwap(
+            "moe_router", ("DeepseekV3TopkRouter",), "liger_dspine.models.deepseek_v3.router:LigerDeepseekV3TopkRouter"
+        ),
+        MethodSwap(
+            "moe_router",
+            "DeepseekV3MoE",
+            "route_tokens_to_experts",
+            "liger_dspine.models.deepseek_v3.router:liger_route_tokens_to_experts",
+            required=False,
+        ),
         MethodSwap(
             "fused_linear_cross_entropy",
             "DeepseekV3ForCausalLM",

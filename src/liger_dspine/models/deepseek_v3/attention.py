@@ -1,0 +1,143 @@
+"""DeepSeek-V3 multi-head latent attention with the interleaved RoPE and the query/key assembly in Triton.
+
+:class:`LigerDeepseekV3Attention` computes what transformers' ``DeepseekV3Attention.forward`` computes, with the
+same parameters and ``__init__``, so it can replace the class in ``modeling_deepseek_v3`` or be set as the
+``__class__`` of a built module. With ``config.rope_interleave`` it replaces, per layer:
+
+- the query: split, interleaved RoPE, ``torch.cat((q_pass, q_rot))`` -> one kernel (:func:`liger_mla_query`);
+- the key: interleaved RoPE of the shared ``k_rot``, broadcast to the heads and copy beside ``k_nope``
+  (``expand_kv``) -> one kernel (:func:`liger_mla_key`); the value stays a view of the ``kv_b_proj`` output;
+- in the backward, the matching copies, the head sum of the rope-key gradient and the concatenation of the key and
+  value gradients.
+
+Without ``rope_interleave`` (or with cos/sin that require a gradient) it runs the native forward.
+
+transformers versions: before 5.17 the cache holds the expanded key and value (and flash attention pads the value
+to the key width); from 5.17 it holds the compressed latents and ``expand_kv`` runs after the cache. Both are
+followed, chosen by whether the native class has ``expand_kv``. The cache argument is ``past_key_values`` up to
+5.2x and ``cache`` after; both names are accepted.
+"""
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _modeling
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+_NATIVE_PARAMS = inspect.signature(DeepseekV3Attention.forward).parameters
+# Name of the cache argument of the native forward ("cache" from transformers 5.2x, "past_key_values" before).
+NATIVE_CACHE_ARG = "cache" if "cache" in _NATIVE_PARAMS else "past_key_values"
+# The native forwards that take `cache=` also hand their kwargs to `cache.update(..., kwargs=kwargs)`.
+_CACHE_UPDATE_TAKES_KWARGS = NATIVE_CACHE_ARG == "cache"
+# transformers >= 5.17 caches the compressed latents (kv_nope, k_rot) and expands them afterwards.
+LATENT_CACHE = hasattr(DeepseekV3Attention, "expand_kv")
+
+
+def _flash_pads_value(config) -> bool:
+    is_flash = getattr(_modeling, "is_flash_attention_requested", None)
+    if is_flash is not None:
+        return bool(is_flash(config))
+    return "flash" in str(getattr(config, "_attn_implementation", "") or "")
+
+
+class LigerDeepseekV3Attention(DeepseekV3Attention):
+    """MLA with the interleaved RoPE fused into the query and key assembly; parameters as the native class."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, S, hidden]; position_embeddings (cos, sin) [B or 1, S, qk_rope_head_dim].
+
+        Returns (attn_output [B, S, hidden], attention weights or None), as the native forward.
+        """
+        if cache is None:
+            cache = past_key_values
+        cos, sin = position_embeddings
+        if not self.config.rope_interleave or cos.requires_grad or sin.requires_grad:
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, **{NATIVE_CACHE_ARG: cache}, **kwargs
+            )
+
+        from liger_dspine.ops.interleaved_rope import liger_mla_query
+
+        batch_size, seq_length = hidden_states.shape[:-1]
+        if self.q_lora_rank is None:
+            q_states = self.q_proj(hidden_states)
+        else:
+            q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
+        q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
+        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
+
+        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope)
+        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+
+        if LATENT_CACHE:
+            key_states, value_states = self._liger_latent_key_value(kv_nope, k_rot, cos, sin, cache, kwargs)
+        else:
+            key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache)
+
+        pad_value = not LATENT_CACHE and self.qk_head_dim != self.v_head_dim and _flash_pads_value(self.config)
+        if pad_value:
+            value_states = F.pad(value_states, [0, self.qk_head_dim - self.v_head_dim])
+
+        attention_interface = _modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, _modeling.eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        if pad_value:
+            attn_output = attn_output[:, :, :, : self.v_head_dim]
+
+        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    def _liger_kv_heads(self, kv_latent: torch.Tensor) -> torch.Tensor:
+        """kv_latent [B, (1,) L, kv_lora_rank] -> kv_b_proj output viewed [B, H, L, nope + v] (no copy)."""
+        kv = self.kv_b_proj(kv_latent)
+        batch_size, length = kv.shape[0], kv.shape[-2]
+        return kv.view(batch_size, length, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+
+    def _liger_latent_key_value(self, kv_nope, k_rot, cos, sin, cache, kwargs):
+        """transformers >= 5.17: the cache stores (kv_nope [B, 1, L, kv_lora_rank], turned k_rot [B, 1, L, R])."""
+        from liger_dspine.ops.interleaved_rope import liger_interleaved_rope_single
+        from liger_dspine.ops.interleaved_rope import liger_mla_key
+
+        batch_size, _, seq_length, _ = k_rot.shape
+        kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
+        if cache is None:
+            # Training: the turn of k_rot happens inside the key assembly.
+            return liger_mla_key(self._liger_kv_heads(kv_nope), k_rot, cos, sin, self.qk_nope_head_dim)
+        k_rot = liger_interleaved_rope_single(k_rot, cos, sin)
+        if _CACHE_UPDATE_TAKES_KWARGS:
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
+        else:
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)
+        return liger_mla_key(self._liger_kv_heads(kv_nope), k_rot, None, None, self.qk_nope_head_dim)
+
+    def _liger_expanded_key_value(self, kv_nope, k_rot, cos, sin, cache):
+        """transformers < 5.17: the cache stores the expanded key [B, H, L, nope + R] and value [B, H, L, v]."""
+        from liger_dspine.ops.interleaved_rope import liger_mla_key
+
+        key_states, value_states = liger_mla_key(self._liger_kv_heads(kv_nope), k_rot, cos, sin, self.qk_nope_head_dim)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        return key_states, value_states

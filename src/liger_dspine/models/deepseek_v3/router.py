@@ -1,0 +1,61 @@
+"""DeepSeek-V3 MoE router with the grouped top-k selection in one Triton kernel.
+
+Two layouts of transformers are covered:
+- 5.13 and later: ``DeepseekV3TopkRouter.forward(hidden) -> (router_logits, topk_weights, topk_indices)``, the
+  router holding ``top_k``, ``num_group``, ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``.
+  ``LigerDeepseekV3TopkRouter`` replaces it (class swap or ``module.__class__`` swap; no extra state).
+- before (5.8.1 to 5.12): the router returns only the logits and ``DeepseekV3MoE.route_tokens_to_experts(logits)
+  -> (topk_indices, topk_weights)`` does the selection. ``LigerDeepseekV3TopkRouter`` then returns only the logits
+  (like its parent), and ``liger_route_tokens_to_experts`` is the replacement for that method.
+The layout is read from the router instance itself (the newer one sets ``top_k``), not from a version number.
+
+Numbers equal the native ones up to fp32 rounding; within a token the ``top_k`` entries are ordered by biased
+score, largest first (transformers leaves the order unspecified; the experts combine by weight).
+"""
+
+import torch
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from liger_dspine.ops.moe_router import liger_moe_router_topk
+from liger_dspine.ops.moe_router import liger_router_logits
+
+
+class LigerDeepseekV3TopkRouter(DeepseekV3TopkRouter):
+    """``forward(hidden [..., H]) -> (router_logits [T, E] fp32, topk_weights [T, K] fp32, topk_indices [T, K])``.
+
+    Same parameters and buffers as the native router (``weight [E, H]``, ``e_score_correction_bias [E]``).
+    """
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.view(-1, self.weight.shape[1])
+        router_logits = liger_router_logits(hidden_states, self.weight)
+        if not hasattr(self, "top_k"):
+            # transformers < 5.13: the MoE block routes (see liger_route_tokens_to_experts).
+            return router_logits
+        topk_weights, topk_indices = liger_moe_router_topk(
+            router_logits,
+            self.e_score_correction_bias,
+            top_k=self.top_k,
+            n_group=self.num_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+        return router_logits, topk_weights, topk_indices
+
+
+def liger_route_tokens_to_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replacement for ``DeepseekV3MoE.route_tokens_to_experts`` of transformers < 5.13.
+
+    ``router_logits [T, E]`` -> ``(topk_indices [T, K] int64, topk_weights [T, K])``, in that method's order.
+    """
+    topk_weights, topk_indices = liger_moe_router_topk(
+        router_logits,
+        self.gate.e_score_correction_bias,
+        top_k=self.top_k,
+        n_group=self.n_group,
+        topk_group=self.topk_group,
+        norm_topk_prob=self.norm_topk_prob,
+        routed_scaling_factor=self.routed_scaling_factor,
+    )
+    return topk_indices, topk_weights

@@ -1,0 +1,352 @@
+"""DeepSeek-V3 MoE router: grouped top-k expert selection fused into one Triton kernel per direction.
+
+The router GEMM stays in torch (cuBLAS); these kernels replace the dozen small kernels of the selection:
+sigmoid, bias for choice, per-group top-2 sums, top ``topk_group`` groups, group mask, top-k experts, gather,
+renormalisation and scaling, and in the backward the gather / division / sigmoid gradients and the scatter.
+
+Selection, per token row of ``router_logits [T, E]`` (fp32):
+    scores = sigmoid(logits); choice = scores + bias
+    group score = sum of the two largest ``choice`` of each of ``n_group`` groups of ``E / n_group`` experts
+    keep the ``topk_group`` best groups; take the ``top_k`` best ``choice`` among their experts
+    weights = scores at those experts [/ (sum + 1e-20) when ``norm_topk_prob``] * routed_scaling_factor
+
+Order of the ``top_k`` entries of a row: by ``choice`` (biased score), largest first; equal scores by the lower
+expert index. transformers' ``topk(sorted=False)`` order is unspecified; consumers combine experts by weight, so
+only the set matters.
+
+The bias gets no gradient and the indices are not differentiable, as in transformers.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_dspine._interpreter import check_kernel_device
+
+_FORWARD_TILE = 2048  # logits per program in the forward (tokens x padded experts)
+_BACKWARD_TILE = 4096  # gradient entries per program in the backward
+_MAX_TOKENS_PER_PROGRAM = 64
+
+
+@triton.jit
+def _moe_router_forward_kernel(
+    logits_ptr,  # [T, E] fp32
+    bias_ptr,  # [E] fp32
+    weights_ptr,  # [T, K] fp32 out
+    indices_ptr,  # [T, K] int64 out
+    topk_scores_ptr,  # [T, K] fp32 out: sigmoid scores of the chosen experts, kept for the backward
+    num_tokens,
+    scaling,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    rows = rows.to(tl.int64)
+    groups = tl.arange(0, BLOCK_G)
+    slots = tl.arange(0, BLOCK_S)
+    # Experts laid out as [group, slot in group]: expert id = group * GROUP_SIZE + slot.
+    expert = groups[:, None] * GROUP_SIZE + slots[None, :]
+    expert_ok = (groups[:, None] < NUM_GROUPS) & (slots[None, :] < GROUP_SIZE)
+
+    offsets = rows[:, None, None] * NUM_EXPERTS + expert[None, :, :]
+    load_mask = row_ok[:, None, None] & expert_ok[None, :, :]
+    logits = tl.load(logits_ptr + offsets, mask=load_mask, other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-logits))  # [BLOCK_T, BLOCK_G, BLOCK_S]
+    bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
+    choice = tl.where(expert_ok[None, :, :], scores + bias[None, :, :], float("-inf"))
+
+    # Group score: the largest plus the second largest (one occurrence of the largest removed, so ties count twice).
+    first = tl.max(choice, axis=2)
+    first_slot = tl.min(tl.where(choice == first[:, :, None], slots[None, None, :], BLOCK_S), axis=2)
+    second = tl.max(tl.where(slots[None, None, :] == first_slot[:, :, None], float("-inf"), choice), axis=2)
+    group_score = first + second  # [BLOCK_T, BLOCK_G]; padded groups are -inf
+
+    kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_score, axis=1)
+        best_group = tl.min(tl.where(group_score == best[:, None], groups[None, :], BLOCK_G), axis=1)
+        hit = groups[None, :] == best_group[:, None]
+        kept = tl.where(hit, 1, kept)
+        group_score = tl.where(hit, float("-inf"), group_score)
+    choice = tl.where(kept[:, :, None] != 0, choice, float("-inf"))
+
+    k_cols = tl.arange(0, BLOCK_K)
+    topk_scores = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    topk_indices = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(tl.max(choice, axis=2), axis=1)
+        at_best = choice == best[:, None, None]
+        best_expert = tl.min(tl.min(tl.where(at_best, expert[None, :, :], BLOCK_G * BLOCK_S), axis=2), axis=1)
+        hit = expert[None, :, :] == best_expert[:, None, None]
+        score = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
+        choice = tl.where(hit, float("-inf"), choice)
+        topk_scores = tl.where(k_cols[None, :] == k, score[:, None], topk_scores)
+        topk_indices = tl.where(k_cols[None, :] == k, best_expert[:, None], topk_indices)
+
+    if NORMALIZE:
+        weights = topk_scores / (tl.sum(topk_scores, axis=1)[:, None] + 1e-20)
+    else:
+        weights = topk_scores
+    weights = weights * scaling
+
+    out_offsets = rows[:, None] * TOP_K + k_cols[None, :]
+    out_mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
+    tl.store(weights_ptr + out_offsets, weights, mask=out_mask)
+    tl.store(indices_ptr + out_offsets, topk_indices.to(tl.int64), mask=out_mask)
+    tl.store(topk_scores_ptr + out_offsets, topk_scores, mask=out_mask)
+
+
+@triton.jit
+def _moe_router_backward_kernel(
+    grad_weights_ptr,  # [T, K] fp32
+    topk_scores_ptr,  # [T, K] fp32
+    indices_ptr,  # [T, K] int64
+    grad_logits_ptr,  # [T, E] fp32 out, written densely (zeros off the chosen experts)
+    num_tokens,
+    scaling,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    rows = rows.to(tl.int64)
+    k_cols = tl.arange(0, BLOCK_K)
+    k_offsets = rows[:, None] * TOP_K + k_cols[None, :]
+    k_mask = row_ok[:, None] & (k_cols[None, :] < TOP_K)
+    grad_weights = tl.load(grad_weights_ptr + k_offsets, mask=k_mask, other=0.0)
+    scores = tl.load(topk_scores_ptr + k_offsets, mask=k_mask, other=0.0)
+    indices = tl.load(indices_ptr + k_offsets, mask=k_mask, other=-1).to(tl.int32)
+
+    if NORMALIZE:
+        # w_k = r * s_k / D, D = sum(s) + eps:  dL/ds_j = r / D * (g_j - sum_k g_k * s_k / D)
+        denominator = tl.sum(scores, axis=1) + 1e-20
+        projection = tl.sum(grad_weights * scores, axis=1) / denominator
+        grad_scores = (grad_weights - projection[:, None]) * (scaling / denominator[:, None])
+    else:
+        grad_scores = grad_weights * scaling
+    grad_chosen = grad_scores * scores * (1.0 - scores)  # through the sigmoid
+
+    experts = tl.arange(0, BLOCK_E)
+    grad_logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        column = k_cols[None, :] == k
+        expert_k = tl.sum(tl.where(column, indices, 0), axis=1)
+        grad_k = tl.sum(tl.where(column, grad_chosen, 0.0), axis=1)
+        grad_logits = tl.where(experts[None, :] == expert_k[:, None], grad_k[:, None], grad_logits)
+
+    out_offsets = rows[:, None] * NUM_EXPERTS + experts[None, :]
+    out_mask = row_ok[:, None] & (experts[None, :] < NUM_EXPERTS)
+    tl.store(grad_logits_ptr + out_offsets, grad_logits, mask=out_mask)
+
+
+def _check_config(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group={n_group} must divide the number of experts ({num_experts})")
+    group_size = num_experts // n_group
+    if group_size < 2:
+        raise ValueError(f"each group needs at least 2 experts (group score = sum of its top 2), got {group_size}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if not 1 <= top_k <= topk_group * group_size:
+        raise ValueError(
+            f"num_experts_per_tok={top_k} must be in [1, topk_group * group size = {topk_group * group_size}]"
+        )
+
+
+def _tokens_per_program(padded_row: int, tile: int) -> int:
+    return max(1, min(_MAX_TOKENS_PER_PROGRAM, tile // padded_row))
+
+
+def moe_router_forward(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped top-k selection. ``router_logits [T, E]`` fp32, ``bias [E]``.
+
+    Returns ``topk_weights [T, K]`` fp32, ``topk_indices [T, K]`` int64 and ``topk_scores [T, K]`` fp32 (the
+    sigmoid scores of the chosen experts, before renormalisation and scaling).
+    """
+    if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
+        raise ValueError(
+            f"router_logits must be a 2-D fp32 tensor, got {tuple(router_logits.shape)} {router_logits.dtype}"
+        )
+    num_tokens, num_experts = router_logits.shape
+    if bias.shape != (num_experts,):
+        raise ValueError(f"e_score_correction_bias must have shape ({num_experts},), got {tuple(bias.shape)}")
+    _check_config(num_experts, top_k, n_group, topk_group)
+    check_kernel_device(router_logits, "the MoE router kernel")
+    router_logits = router_logits.contiguous()
+    bias = bias.to(device=router_logits.device, dtype=torch.float32).contiguous()
+
+    weights = router_logits.new_empty(num_tokens, top_k)
+    indices = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    topk_scores = router_logits.new_empty(num_tokens, top_k)
+    if num_tokens == 0:
+        return weights, indices, topk_scores
+
+    group_size = num_experts // n_group
+    block_g = triton.next_power_of_2(n_group)
+    block_s = triton.next_power_of_2(group_size)
+    block_t = _tokens_per_program(block_g * block_s, _FORWARD_TILE)
+    _moe_router_forward_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits,
+        bias,
+        weights,
+        indices,
+        topk_scores,
+        num_tokens,
+        float(routed_scaling_factor),
+        NUM_EXPERTS=num_experts,
+        NUM_GROUPS=n_group,
+        GROUP_SIZE=group_size,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        NORMALIZE=bool(norm_topk_prob),
+        BLOCK_T=block_t,
+        BLOCK_G=block_g,
+        BLOCK_S=block_s,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
+    return weights, indices, topk_scores
+
+
+def moe_router_backward(
+    grad_weights: torch.Tensor,
+    topk_scores: torch.Tensor,
+    topk_indices: torch.Tensor,
+    num_experts: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
+    """Gradient of the router logits ``[T, E]`` fp32 from the gradient of ``topk_weights [T, K]``."""
+    num_tokens, top_k = topk_scores.shape
+    check_kernel_device(topk_scores, "the MoE router backward kernel")
+    grad_weights = grad_weights.to(torch.float32).contiguous()
+    grad_logits = topk_scores.new_empty(num_tokens, num_experts)
+    if num_tokens == 0:
+        return grad_logits
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = _tokens_per_program(block_e, _BACKWARD_TILE)
+    _moe_router_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
+        grad_weights,
+        topk_scores,
+        topk_indices,
+        grad_logits,
+        num_tokens,
+        float(routed_scaling_factor),
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        NORMALIZE=bool(norm_topk_prob),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
+    return grad_logits
+
+
+class LigerMoeRouterFunction(torch.autograd.Function):
+    """``(router_logits [T, E] fp32, bias [E], ...) -> (topk_weights [T, K] fp32, topk_indices [T, K] int64)``."""
+
+    @staticmethod
+    def forward(ctx, router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+        weights, indices, topk_scores = moe_router_forward(
+            router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
+        )
+        ctx.save_for_backward(topk_scores, indices)
+        ctx.num_experts = router_logits.shape[1]
+        ctx.norm_topk_prob = norm_topk_prob
+        ctx.routed_scaling_factor = routed_scaling_factor
+        ctx.mark_non_differentiable(indices)
+        return weights, indices
+
+    @staticmethod
+    def backward(ctx, grad_weights, _grad_indices):
+        topk_scores, indices = ctx.saved_tensors
+        grad_logits = None
+        if ctx.needs_input_grad[0] and grad_weights is not None:
+            grad_logits = moe_router_backward(
+                grad_weights, topk_scores, indices, ctx.num_experts, ctx.norm_topk_prob, ctx.routed_scaling_factor
+            )
+        return grad_logits, None, None, None, None, None, None
+
+
+def liger_moe_router_topk(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 grouped top-k routing of ``router_logits [T, E]``.
+
+    Returns ``(topk_weights [T, K], topk_indices [T, K] int64)``, each row ordered by biased score, largest first.
+    Differentiable with respect to ``router_logits`` through ``topk_weights``. The kernel works in fp32; logits of
+    another dtype (the router GEMM under autocast) are upcast, and the weights come back in that dtype.
+    """
+    dtype = router_logits.dtype
+    weights, indices = LigerMoeRouterFunction.apply(
+        router_logits.float(),
+        e_score_correction_bias,
+        top_k,
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        routed_scaling_factor,
+    )
+    return weights.to(dtype), indices
+
+
+class LigerRouterLogitsFunction(torch.autograd.Function):
+    """``hidden [T, H] x weight [E, H] -> logits [T, E]`` in fp32, as ``F.linear(hidden.float(), weight.float())``.
+
+    Same GEMMs as the native code, but it keeps ``hidden`` in its own dtype for the backward and casts it again
+    there, instead of holding an fp32 copy ([T, H] x 4 bytes) between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight):
+        ctx.save_for_backward(hidden_states, weight)
+        return hidden_states.float().mm(weight.float().t())
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        hidden_states, weight = ctx.saved_tensors
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = grad_logits.mm(weight.float()).to(hidden_states.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = hidden_states.float().t().mm(grad_logits).t().to(weight.dtype)
+        return grad_hidden, grad_weight
+
+
+def liger_router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits ``[T, E]`` of ``hidden_states [T, H]`` (any float dtype) and ``weight [E, H]``.
+
+    Under autocast this is the native expression, whose GEMM autocast runs in low precision.
+    """
+    all_fp32 = hidden_states.dtype == torch.float32 and weight.dtype == torch.float32
+    if all_fp32 or torch.is_autocast_enabled(hidden_states.device.type):
+        return torch.nn.functional.linear(hidden_states.float(), weight.float())
+    return LigerRouterLogitsFunction.apply(hidden_states, weight)
