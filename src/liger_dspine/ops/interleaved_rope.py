@@ -76,7 +76,9 @@ def _rope_rows_kernel(
     EXTRA: tl.constexpr,
     HALF: tl.constexpr,
     ROTATE: tl.constexpr,  # False: plain copy of split-layout rows (keys read back from a cache)
-    INVERSE: tl.constexpr,  # backward: turn by -angle, read split layout, write interleaved pairs
+    INVERSE: tl.constexpr,  # backward: turn by -angle
+    SRC_PAIRS: tl.constexpr,  # source rows hold interleaved pairs (x0, x1), (x2, x3), ... (else split halves)
+    DST_PAIRS: tl.constexpr,  # destination rows get interleaved pairs (the backward of a turn)
     ROT_MODE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_NOPE: tl.constexpr,
@@ -92,13 +94,13 @@ def _rope_rows_kernel(
     mask_j = cols_j < HALF
 
     # Column of pair j's first and second member in the source and destination rows.
-    if ROTATE and not INVERSE:
+    if SRC_PAIRS:
         src_a = 2 * cols_j
         src_b = 2 * cols_j + 1
     else:
         src_a = cols_j
         src_b = cols_j + HALF
-    if ROTATE and INVERSE:
+    if DST_PAIRS:
         dst_a = 2 * cols_j
         dst_b = 2 * cols_j + 1
     else:
@@ -256,12 +258,16 @@ def _launch(
         HALF=half,
         ROTATE=cos is not None,
         INVERSE=inverse,
+        SRC_PAIRS=cos is not None and not inverse,
+        DST_PAIRS=cos is not None and inverse,
         ROT_MODE=rot_mode,
         BLOCK_H=block_h,
         BLOCK_NOPE=_next_pow2(nope),
         BLOCK_EXTRA=_next_pow2(extra),
         BLOCK_HALF=_next_pow2(half),
         num_warps=_NUM_WARPS,
+        # Separate products and sums, as torch's eager kernels: fp32 results equal transformers' bit for bit.
+        enable_fp_fusion=False,
     )
 
 
@@ -298,9 +304,16 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
         sin = _angles(sin, batch, seq_len, width // 2)
         out = torch.empty((batch, heads, seq_len, width), dtype=x.dtype, device=x.device)
         _launch(
-            batch=batch, seq_len=seq_len, num_heads=heads, rot_src=x, rot_dst=out, cos=cos, sin=sin,
-            inverse=False, rot_mode=_ROT_PER_HEAD,
-        )  # fmt: skip
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=heads,
+            rot_src=x,
+            rot_dst=out,
+            cos=cos,
+            sin=sin,
+            inverse=False,
+            rot_mode=_ROT_PER_HEAD,
+        )
         ctx.save_for_backward(cos, sin)
         ctx.grad_layout = _dense_layout(x)
         return out
@@ -312,9 +325,16 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
         batch, heads, seq_len, _ = grad_out.shape
         grad_x = _empty_like_layout(*ctx.grad_layout, grad_out)
         _launch(
-            batch=batch, seq_len=seq_len, num_heads=heads, rot_src=grad_out, rot_dst=grad_x, cos=cos, sin=sin,
-            inverse=True, rot_mode=_ROT_PER_HEAD,
-        )  # fmt: skip
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=heads,
+            rot_src=grad_out,
+            rot_dst=grad_x,
+            cos=cos,
+            sin=sin,
+            inverse=True,
+            rot_mode=_ROT_PER_HEAD,
+        )
         return grad_x, None, None
 
 
@@ -333,11 +353,18 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         sin = _angles(sin, batch, seq_len, rope_dim // 2)
         query = torch.empty((batch, heads, seq_len, width), dtype=q_states.dtype, device=q_states.device)
         _launch(
-            batch=batch, seq_len=seq_len, num_heads=heads,
-            pass_src=q_states[..., :nope] if nope else None, pass_dst=query[..., :nope] if nope else None,
-            rot_src=q_states[..., nope:], rot_dst=query[..., nope:], cos=cos, sin=sin,
-            inverse=False, rot_mode=_ROT_PER_HEAD,
-        )  # fmt: skip
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=heads,
+            pass_src=q_states[..., :nope] if nope else None,
+            pass_dst=query[..., :nope] if nope else None,
+            rot_src=q_states[..., nope:],
+            rot_dst=query[..., nope:],
+            cos=cos,
+            sin=sin,
+            inverse=False,
+            rot_mode=_ROT_PER_HEAD,
+        )
         ctx.save_for_backward(cos, sin)
         ctx.nope = nope
         ctx.grad_layout = _dense_layout(q_states)
@@ -351,11 +378,18 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         batch, heads, seq_len, _ = grad_query.shape
         grad_q = _empty_like_layout(*ctx.grad_layout, grad_query)
         _launch(
-            batch=batch, seq_len=seq_len, num_heads=heads,
-            pass_src=grad_query[..., :nope] if nope else None, pass_dst=grad_q[..., :nope] if nope else None,
-            rot_src=grad_query[..., nope:], rot_dst=grad_q[..., nope:], cos=cos, sin=sin,
-            inverse=True, rot_mode=_ROT_PER_HEAD,
-        )  # fmt: skip
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=heads,
+            pass_src=grad_query[..., :nope] if nope else None,
+            pass_dst=grad_q[..., :nope] if nope else None,
+            rot_src=grad_query[..., nope:],
+            rot_dst=grad_q[..., nope:],
+            cos=cos,
+            sin=sin,
+            inverse=True,
+            rot_mode=_ROT_PER_HEAD,
+        )
         return grad_q, None, None, None
 
 
@@ -381,11 +415,18 @@ class LigerMLAKeyFunction(torch.autograd.Function):
             sin = _angles(sin, batch, seq_len, rope_dim // 2)
         key = torch.empty((batch, heads, seq_len, nope_dim + rope_dim), dtype=kv.dtype, device=kv.device)
         _launch(
-            batch=batch, seq_len=seq_len, num_heads=heads,
-            pass_src=kv[..., :nope_dim], pass_dst=key[..., :nope_dim],
-            rot_src=k_rot, rot_dst=key[..., nope_dim:], cos=cos, sin=sin,
-            inverse=False, rot_mode=_ROT_BROADCAST,
-        )  # fmt: skip
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=heads,
+            pass_src=kv[..., :nope_dim],
+            pass_dst=key[..., :nope_dim],
+            rot_src=k_rot,
+            rot_dst=key[..., nope_dim:],
+            cos=cos,
+            sin=sin,
+            inverse=False,
+            rot_mode=_ROT_BROADCAST,
+        )
         if cos is not None:
             ctx.save_for_backward(cos, sin)
         ctx.rotated = cos is not None
@@ -404,12 +445,20 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         grad_kv = _empty_like_layout(*ctx.kv_layout, grad_key)
         grad_k_rot = _empty_like_layout(*ctx.k_rot_layout, grad_key)
         _launch(
-            batch=batch, seq_len=seq_len, num_heads=heads,
-            pass_src=grad_key[..., :nope], pass_dst=grad_kv[..., :nope],
-            extra_src=grad_value, extra_dst=grad_kv[..., nope:],
-            rot_src=grad_key[..., nope:], rot_dst=grad_k_rot, cos=cos, sin=sin,
-            inverse=True, rot_mode=_ROT_REDUCE,
-        )  # fmt: skip
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=heads,
+            pass_src=grad_key[..., :nope],
+            pass_dst=grad_kv[..., :nope],
+            extra_src=grad_value,
+            extra_dst=grad_kv[..., nope:],
+            rot_src=grad_key[..., nope:],
+            rot_dst=grad_k_rot,
+            cos=cos,
+            sin=sin,
+            inverse=True,
+            rot_mode=_ROT_REDUCE,
+        )
         return grad_kv, grad_k_rot, None, None, None
 
 

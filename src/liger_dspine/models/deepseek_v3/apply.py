@@ -4,7 +4,7 @@ from liger_dspine.models.deepseek_v3.spec import DEEPSEEK_V3_SPEC
 
 
 def apply_liger_kernel_to_deepseek_v3(
-    rope: bool = False,
+    rope: bool = True,
     cross_entropy: bool = False,
     fused_linear_cross_entropy: bool = True,
     rms_norm: bool = True,
@@ -16,7 +16,9 @@ def apply_liger_kernel_to_deepseek_v3(
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
     Args:
-        rope: interleaved partial RoPE kernel. Not available yet: True raises NotImplementedError.
+        rope: MLA attention whose interleaved partial RoPE and query / key assembly run in Triton kernels
+            (``LigerDeepseekV3Attention``: no ``torch.cat`` and no de-interleave copies). Default True here
+            (liger-kernel's default is False, and its ``rope=True`` only warns).
         cross_entropy: loss from Liger's cross-entropy kernel on materialised logits.
         fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
             logits (``lce_forward``). Exclusive with ``cross_entropy``.
@@ -33,10 +35,6 @@ def apply_liger_kernel_to_deepseek_v3(
     """
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path")
-    if rope:
-        raise NotImplementedError(
-            "rope=True: the interleaved partial RoPE kernel for DeepSeek-V3 is not available yet; pass rope=False"
-        )
     require_supported_versions()
     options = dict(
         rope=rope,

@@ -14,8 +14,8 @@ Without ``rope_interleave`` (or with cos/sin that require a gradient) it runs th
 
 transformers versions: before 5.17 the cache holds the expanded key and value (and flash attention pads the value
 to the key width); from 5.17 it holds the compressed latents and ``expand_kv`` runs after the cache. Both are
-followed, chosen by whether the native class has ``expand_kv``. The cache argument is ``past_key_values`` up to
-5.2x and ``cache`` after; both names are accepted.
+followed, chosen by whether the native class has ``expand_kv``. The cache argument is ``past_key_values`` in 5.17
+and ``cache`` in 5.24 (where ``past_key_values`` is deprecated); both names are accepted.
 """
 
 import inspect
@@ -26,7 +26,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _modeling
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 _NATIVE_PARAMS = inspect.signature(DeepseekV3Attention.forward).parameters
-# Name of the cache argument of the native forward ("cache" from transformers 5.2x, "past_key_values" before).
+# Name of the cache argument of the native forward ("past_key_values" in transformers 5.17, "cache" in 5.24).
 NATIVE_CACHE_ARG = "cache" if "cache" in _NATIVE_PARAMS else "past_key_values"
 # The native forwards that take `cache=` also hand their kwargs to `cache.update(..., kwargs=kwargs)`.
 _CACHE_UPDATE_TAKES_KWARGS = NATIVE_CACHE_ARG == "cache"

@@ -19,6 +19,10 @@ DEEPSEEK_V3_SPEC = PatchSpec(
         ClassSwap(
             "swiglu", ("DeepseekV3Experts", "DeepseekV3NaiveMoe"), "liger_dspine.modules.experts:LigerFusedExperts"
         ),
+        # MLA with the interleaved partial RoPE and the query / key assembly in Triton kernels
+        ClassSwap(
+            "rope", ("DeepseekV3Attention",), "liger_dspine.models.deepseek_v3.attention:LigerDeepseekV3Attention"
+        ),
         # sigmoid + grouped top-k routing in one kernel (the layout of transformers >= 5.13, and before it)
         ClassSwap(
             "moe_router", ("DeepseekV3TopkRouter",), "liger_dspine.models.deepseek_v3.router:LigerDeepseekV3TopkRouter"
