@@ -21,7 +21,8 @@ TOP_K = 5
 
 # (loss atol/rtol, top-k log-prob atol, parameter atol/rtol). fp32: kernels reorder fp32 sums (1e-6 level per op);
 # AdamW divides each update by the gradient's running RMS, so where a gradient is near zero a 1e-7 difference moves a
-# weight by a visible fraction of lr (1e-3): weights get 5e-5 absolute. bf16: 8 mantissa bits, activations rounded at every kernel boundary.
+# weight by a visible fraction of lr (1e-3): weights get 5e-5 absolute.
+# bf16: 8 mantissa bits, activations rounded at every kernel boundary.
 TOLERANCES = {
     torch.float32: dict(loss=1e-5, logprob=1e-4, param_atol=5e-5, param_rtol=1e-4),
     torch.bfloat16: dict(loss=2e-2, logprob=1e-1, param_atol=2e-2, param_rtol=2e-2),
