@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny DeepSeek-V3 natively and patched on embedded text")
-    demo.add_argument("--steps", type=int, default=12)
+    demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--seed", type=int, default=0)
     inspect = sub.add_parser("inspect", help="print what the patch replaces for a model config")
     inspect.add_argument("config", help="a config.json, a checkpoint folder, or a model type such as deepseek_v3")

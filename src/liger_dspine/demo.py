@@ -61,7 +61,7 @@ def train(model, batches, device, desc: str) -> list[float]:
     return losses
 
 
-def run_demo(steps: int = 12, seed: int = 0) -> int:
+def run_demo(steps: int = 8, seed: int = 0) -> int:
     from transformers import DeepseekV3ForCausalLM
 
     from liger_dspine import apply_liger_kernel_to_deepseek_v3
@@ -74,7 +74,7 @@ def run_demo(steps: int = 12, seed: int = 0) -> int:
     native = DeepseekV3ForCausalLM(config).to(device)
     patched = copy.deepcopy(native)
     report = apply_liger_kernel_to_deepseek_v3(model=patched)
-    batches = corpus_batches(seq_len=64, batch_size=4, steps=steps, seed=seed)
+    batches = corpus_batches(seq_len=32, batch_size=2, steps=steps, seed=seed)
 
     start = time.perf_counter()
     native_losses = train(native, batches, device, "native")
