@@ -12,6 +12,7 @@ def apply_liger_kernel_to_deepseek_v3(
     model=None,
     *,
     moe_router: bool = True,
+    fused_experts: bool = True,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
@@ -23,10 +24,12 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
             logits (``lce_forward``). Exclusive with ``cross_entropy``.
         rms_norm: every ``DeepseekV3RMSNorm`` -> ``LigerRMSNorm``.
-        swiglu: dense MLPs and shared experts -> ``LigerSwiGLUMLP``; batched routed experts ->
-            ``LigerFusedExperts`` (liger-kernel's fused MoE).
+        swiglu: dense MLPs and shared experts -> ``LigerSwiGLUMLP``; with ``fused_experts`` also the batched
+            routed experts -> ``LigerFusedExperts`` (liger-kernel's fused MoE).
         moe_router: (keyword-only) DeepSeek-V3's sigmoid + grouped top-k routing in one Triton kernel, with a
             router-logit GEMM that keeps no fp32 copy of the hidden states for backward.
+        fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels;
+            False keeps transformers' experts (its ``grouped_mm`` implementation on GPU).
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 
@@ -43,6 +46,7 @@ def apply_liger_kernel_to_deepseek_v3(
         rms_norm=rms_norm,
         swiglu=swiglu,
         moe_router=moe_router,
+        fused_experts=swiglu and fused_experts,
     )
     if model is None:
         return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)

@@ -17,7 +17,9 @@ DEEPSEEK_V3_SPEC = PatchSpec(
         ClassSwap("swiglu", ("DeepseekV3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
         # batched routed experts (DeepseekV3NaiveMoe before transformers 5.9)
         ClassSwap(
-            "swiglu", ("DeepseekV3Experts", "DeepseekV3NaiveMoe"), "liger_dspine.modules.experts:LigerFusedExperts"
+            "fused_experts",
+            ("DeepseekV3Experts", "DeepseekV3NaiveMoe"),
+            "liger_dspine.modules.experts:LigerFusedExperts",
         ),
         # MLA with the interleaved partial RoPE and the query / key assembly in Triton kernels
         ClassSwap(

@@ -1,0 +1,47 @@
+"""Model FLOPs of a DeepSeek-V3 training step, counted from the matrix products of the architecture.
+
+A multiply-add counts 2 FLOPs. Causal attention scores cost half of the full square. A training step
+(forward + backward) counts 3x the forward. Elementwise work, norms, softmax and the router's top-k are left out.
+"""
+
+
+def forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
+    """Multiply-adds per token of one forward pass at sequence length ``seq_len``, by component.
+
+    Components: ``attention_projections`` (MLA: q down/up or q, kv down, kv up, output), ``attention_scores``
+    (q.k and p.v over a causal context of seq_len / 2 on average), ``dense_mlp``, ``router``, ``routed_experts``
+    (top-k active experts), ``shared_experts``, ``lm_head``.
+    """
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    v_head = config.v_head_dim
+    q_lora = getattr(config, "q_lora_rank", None)
+
+    q_proj = hidden * q_lora + q_lora * heads * qk_head if q_lora else hidden * heads * qk_head
+    kv_down = hidden * (config.kv_lora_rank + config.qk_rope_head_dim)
+    kv_up = config.kv_lora_rank * heads * (config.qk_nope_head_dim + v_head)
+    out_proj = heads * v_head * hidden
+    projections_per_layer = q_proj + kv_down + kv_up + out_proj
+    scores_per_layer = heads * (qk_head + v_head) * seq_len / 2
+
+    layers = config.num_hidden_layers
+    dense_layers = min(config.first_k_dense_replace, layers)
+    moe_layers = layers - dense_layers
+    experts = config.n_routed_experts
+    expert_mlp = 3 * hidden * config.moe_intermediate_size
+    return {
+        "attention_projections": layers * projections_per_layer,
+        "attention_scores": layers * scores_per_layer,
+        "dense_mlp": dense_layers * 3 * hidden * config.intermediate_size,
+        "router": moe_layers * hidden * experts,
+        "routed_experts": moe_layers * config.num_experts_per_tok * expert_mlp,
+        "shared_experts": moe_layers * config.n_shared_experts * expert_mlp,
+        "lm_head": hidden * config.vocab_size,
+    }
+
+
+def train_step_flops(config, batch: int, seq_len: int) -> float:
+    """FLOPs of one forward + backward over ``batch`` sequences of ``seq_len`` tokens (3x the forward)."""
+    forward_per_token = 2 * sum(forward_macs_per_token(config, seq_len).values())
+    return 3 * forward_per_token * batch * seq_len

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Tests and benchmark on the GPU machine, in one command of at most 10 minutes; logs, CSVs and plots go to $OUT.
+#
+#   bash benchmark/run_gpu.sh STEP...      STEP: tests | convergence | bench-quick | bench-part1 | bench-part2
+#
+# The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). Every step runs under `timeout`
+# inside one budget for the whole script, so the command ends in time and $OUT holds what finished.
+# Environment (all optional):
+#   OUT            where results go (default /tmp/liger-dspine-bench)
+#   RUN_BUDGET_S   seconds for all steps together (default 570)
+#   TEST_TIMEOUT_S cap of each pytest step (default 300)
+#   PYTHON         interpreter (default python3)
+#   WHEELS         folder of wheels to install (default .whl; none there: use what is installed)
+#   BENCH_ARGS     extra arguments of benchmark/bench_deepseek_v3.py (e.g. --tiny, --variant ...)
+#   PYTEST_ARGS    extra arguments of pytest
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-/tmp/liger-dspine-bench}
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
+BUDGET=${RUN_BUDGET_S:-570}
+TEST_TIMEOUT=${TEST_TIMEOUT_S:-300}
+START=$(date +%s)
+mkdir -p "$OUT" "$ROOT/benchmark/data"
+exec > >(tee -a "$OUT/run.log") 2>&1
+TEE_PID=$!
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  $PYTHON -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$ROOT/src
+else
+  echo "no wheels in $WHEELS: using the installed liger-kernel"
+  export PYTHONPATH=$ROOT/src
+fi
+export PYTHONUNBUFFERED=1
+
+if command -v nvidia-smi >/dev/null; then nvidia-smi; fi
+$PYTHON - <<'EOF'
+import sys
+from importlib import metadata
+
+import torch
+
+print("python", sys.version.split()[0])
+for name in ("torch", "transformers", "triton", "liger-kernel"):
+    print(name, metadata.version(name))
+print("cuda device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+EOF
+
+run_pytest() {  # run_pytest LOGNAME ARGS...
+  local log=$1 limit
+  shift
+  limit=$(left)
+  limit=$((limit - 5 < TEST_TIMEOUT ? limit - 5 : TEST_TIMEOUT))
+  LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 "$limit" $PYTHON -m pytest -q -p no:cacheprovider "$@" ${PYTEST_ARGS:-} \
+    2>&1 | tee "$OUT/$log"
+  return "${PIPESTATUS[0]}"
+}
+
+run_bench() {  # run_bench ARGS...; copies what it wrote in benchmark/data to $OUT
+  local limit marker
+  limit=$(left)
+  marker=$(mktemp)
+  # shellcheck disable=SC2086
+  timeout -k 10 $((limit - 5)) $PYTHON benchmark/bench_deepseek_v3.py "$@" --budget-s $((limit - 25)) ${BENCH_ARGS:-}
+  local status=$?
+  find "$ROOT/benchmark/data" -type f -newer "$marker" -exec cp {} "$OUT"/ \;
+  rm -f "$marker"
+  return $status
+}
+
+for step in "$@"; do
+  if (($(left) < 60)); then
+    echo "=== $step skipped: $(left) s left of ${BUDGET} s"
+    continue
+  fi
+  echo "=== $step ($(left) s left)"
+  case $step in
+    tests) run_pytest tests.log test -m cuda --ignore=test/convergence ;;
+    convergence) run_pytest convergence.log test/convergence -k bf16 ;;
+    bench-quick) run_bench --suite quick ;;
+    bench-part1) run_bench --suite full --part 1 ;;
+    bench-part2) run_bench --suite full --part 2 ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2)" ;;
+  esac
+  echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
+done
+ls -l "$OUT"
+exec >&- 2>&-
+wait "$TEE_PID"
