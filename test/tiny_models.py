@@ -1,7 +1,14 @@
 """Tiny DeepSeek-V3 configurations and helpers shared by the tests (CPU-sized: the interpreter is slow)."""
 
+import contextlib
+import functools
+import importlib
+
 import torch
 from transformers import DeepseekV3Config
+
+MODELING_MODULE = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+IGNORE_INDEX = -100
 
 
 def tiny_deepseek_v3_config(**overrides) -> DeepseekV3Config:
@@ -52,3 +59,95 @@ def random_batch(config, batch: int = 2, seq: int = 8, seed: int = 1, device="cp
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
     return input_ids, input_ids.clone()
+
+
+def labels_with_ignored(input_ids: torch.Tensor, every: int = 3) -> torch.Tensor:
+    """``input_ids`` as labels with every ``every``-th position set to the ignore index."""
+    labels = input_ids.clone()
+    labels[:, ::every] = IGNORE_INDEX
+    return labels
+
+
+def modeling_module():
+    return importlib.import_module(MODELING_MODULE)
+
+
+def native_experts_class():
+    """``DeepseekV3Experts`` (``DeepseekV3NaiveMoe`` in transformers 5.8)."""
+    module = modeling_module()
+    return getattr(module, "DeepseekV3Experts", None) or module.DeepseekV3NaiveMoe
+
+
+@functools.cache
+def _native_classes() -> tuple[type, ...]:
+    """The classes transformers' DeepSeek-V3 modeling module defines (captured once, before any class patch)."""
+    assert_transformers_native()
+    module = modeling_module()
+    return tuple(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == MODELING_MODULE)
+
+
+def snapshot_modeling_globals() -> dict:
+    """Every global of transformers' DeepSeek-V3 modeling module, and every attribute of the classes it defines
+    (keys ``"Class.attribute"``, e.g. ``"DeepseekV3ForCausalLM.forward"``)."""
+    classes = _native_classes()
+    snapshot = dict(vars(modeling_module()))
+    for cls in classes:
+        snapshot.update({f"{cls.__name__}.{name}": value for name, value in vars(cls).items()})
+    return snapshot
+
+
+def changed_modeling_globals(before: dict) -> list[str]:
+    """Names whose object is not the same (identity) as in ``before``: globals added or removed included, class
+    attributes added left out (transformers caches values on its classes, e.g. ``..._cached_value``)."""
+    after = snapshot_modeling_globals()
+    missing = object()
+    names = set(before) | {name for name in after if "." not in name}
+    return sorted(name for name in names if before.get(name, missing) is not after.get(name, missing))
+
+
+def assert_transformers_native() -> None:
+    module = modeling_module()
+    for name in ("DeepseekV3RMSNorm", "DeepseekV3MLP"):
+        assert getattr(module, name).__module__ == MODELING_MODULE, f"{name} is patched at class level"
+    assert native_experts_class().__module__ == MODELING_MODULE
+    assert module.DeepseekV3ForCausalLM.forward.__module__ == MODELING_MODULE
+
+
+@contextlib.contextmanager
+def class_patches_reverted():
+    """Run a block that may patch transformers at class level; afterwards revert and check every global is back."""
+    from liger_dspine import revert_liger_kernel_to_deepseek_v3
+
+    assert_transformers_native()
+    before = snapshot_modeling_globals()
+    try:
+        yield before
+    finally:
+        revert_liger_kernel_to_deepseek_v3()
+        changed = changed_modeling_globals(before)
+        assert not changed, f"globals of {MODELING_MODULE} not restored: {changed}"
+
+
+def module_types(model: torch.nn.Module) -> dict[str, type]:
+    return {name: type(module) for name, module in model.named_modules()}
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter name -> gradient (a clone; zeros where the parameter got none)."""
+    return {
+        name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()
+    }
+
+
+def loss_and_grads(model: torch.nn.Module, *args, **kwargs):
+    """One forward with ``model.zero_grad()`` before and ``loss.backward()`` after: (output, grads)."""
+    model.zero_grad(set_to_none=True)
+    output = model(*args, **kwargs)
+    output.loss.backward()
+    return output, grads_of(model)
+
+
+def assert_grads_close(actual: dict, expected: dict, atol: float, rtol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")

@@ -4,14 +4,23 @@ Importing this package imports no Triton kernel: kernels load when a patch is ap
 ``LIGER_DSPINE_INTERPRET=1`` before import to run them on a CPU through Triton's interpreter (tests, demos).
 """
 
-from liger_dspine._interpreter import enable_cpu_interpreter
-from liger_dspine._interpreter import enable_from_environment as _enable_from_environment
+import os
+
+# liger-kernel's fused-MoE autotuner compiles dozens of configurations on the first backward (minutes at
+# DeepSeek-V3 widths). liger-kernel reads this switch when its kernel modules are first imported, so the default
+# only takes effect if liger-kernel was not imported before liger_dspine; an explicit value is respected.
+os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
+
+from liger_dspine._interpreter import enable_cpu_interpreter  # noqa: E402
+from liger_dspine._interpreter import enable_from_environment as _enable_from_environment  # noqa: E402
 
 _enable_from_environment()
 
 from liger_dspine.auto_model import AutoLigerDSpineForCausalLM  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import revert_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine  # noqa: E402
+from liger_dspine.models.dspine.apply import revert_liger_kernel_to_dspine  # noqa: E402
 from liger_dspine.patching import PatchReport  # noqa: E402
 from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
 from liger_dspine.registry import apply_liger_kernel  # noqa: E402
@@ -24,8 +33,10 @@ __all__ = [
     "PatchReport",
     "apply_liger_kernel",
     "apply_liger_kernel_to_deepseek_v3",
+    "apply_liger_kernel_to_dspine",
     "apply_liger_kernel_to_instance",
     "enable_cpu_interpreter",
     "register_with_liger",
     "revert_liger_kernel_to_deepseek_v3",
+    "revert_liger_kernel_to_dspine",
 ]

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class ClassSwap:
-    """Replace a class that modeling code looks up through a module global."""
+    """Replace a class (or a function) that code looks up through a module global."""
 
     option: str
     names: tuple[str, ...]  # candidate global names, newest first (classes were renamed across versions)
@@ -50,7 +50,7 @@ class MethodSwap:
 class PatchSpec:
     model_type: str
     module: str  # the transformers modeling module
-    base_class: str  # every model class of this family derives from it (instance patches check it)
+    base_classes: tuple[str, ...]  # "module:Class" paths; an instance patch accepts a model of any of them
     swaps: tuple[ClassSwap | MethodSwap, ...]
 
 
@@ -200,10 +200,11 @@ def revert_class_level(spec: PatchSpec) -> list[str]:
 
 def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Module) -> PatchReport:
     """Convert the modules of one model; module globals and other instances stay untouched."""
-    base = getattr(importlib.import_module(spec.module), spec.base_class)
-    if not isinstance(model, base):
+    bases = tuple(load_object(path) for path in spec.base_classes)
+    if not isinstance(model, bases):
+        expected = " or ".join(base.__name__ for base in bases)
         raise TypeError(
-            f"liger-dspine: the {spec.model_type} patch needs a {base.__name__} subclass as `model`, "
+            f"liger-dspine: the {spec.model_type} patch needs a {expected} (or a subclass) as `model`, "
             f"got {type(model).__name__}"
         )
     report = PatchReport(spec.model_type, "instance")
@@ -212,6 +213,9 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
         if isinstance(swap, ClassSwap):
             old = native_class(spec, swap)
             if old is None:
+                continue
+            if not isinstance(old, type):
+                _rebind_held_references(model, old, new, report)
                 continue
             converted = already = 0
             for module in model.modules():
@@ -270,3 +274,25 @@ def _convert(module: nn.Module, new: type) -> None:
         module.__class__ = new
     else:
         raise TypeError(f"liger-dspine: {new.__name__} cannot convert a {type(module).__name__} in place")
+
+
+def _rebind_held_references(model: nn.Module, old, new, report: PatchReport) -> None:
+    """For a function global: point the attributes of ``model``'s modules that hold ``old`` to ``new``."""
+    converted = already = 0
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if value is old:
+                setattr(module, name, new)
+                converted += 1
+            elif value is new:
+                already += 1
+    if converted or already:
+        report.replacements.append(
+            Replacement(
+                f"{old.__name__} references",
+                qualified_name(old),
+                qualified_name(new),
+                converted or already,
+                already=not converted,
+            )
+        )

@@ -3,12 +3,14 @@
 import logging
 
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
 from liger_dspine.patching import check_options
 
 logger = logging.getLogger(__name__)
 
 MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "deepseek_v3": apply_liger_kernel_to_deepseek_v3,
+    "dspine": apply_liger_kernel_to_dspine,
 }
 
 

@@ -17,6 +17,11 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from liger_dspine._interpreter import check_kernel_device
 
+try:  # newer transformers also take 2D positions [B, P] and boolean masks [B, S] (logits [N, V])
+    from transformers.modeling_utils import slice_logits_to_keep as _slice_logits_to_keep
+except ImportError:
+    _slice_logits_to_keep = None
+
 IGNORE_INDEX = -100
 
 
@@ -107,11 +112,7 @@ def _causal_lm_forward(
         use_cache=use_cache,
         **kwargs,
     )
-    hidden_states = outputs.last_hidden_state
-    if isinstance(logits_to_keep, int):
-        hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
-    else:
-        hidden_states = hidden_states[:, logits_to_keep, :]
+    hidden_states = _keep_positions(outputs.last_hidden_state, logits_to_keep)
 
     if skip_logits is None:
         skip_logits = fused and self.training and has_labels
@@ -129,7 +130,7 @@ def _causal_lm_forward(
                 loss = self.loss_function(
                     logits=logits,
                     labels=labels,
-                    shift_labels=shift_labels,
+                    shift_labels=None if shift_labels is None else shift_labels.contiguous(),  # the loss views it
                     vocab_size=self.config.vocab_size,
                     **kwargs,
                 )
@@ -141,6 +142,15 @@ def _causal_lm_forward(
         if f.name not in ("loss", "logits", "token_accuracy") and f.name in outputs:
             setattr(output, f.name, outputs[f.name])
     return output if return_dict else output.to_tuple()
+
+
+def _keep_positions(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The positions of ``hidden_states`` [B, S, H] that get logits, as the native forward selects them."""
+    if _slice_logits_to_keep is not None:
+        return _slice_logits_to_keep(hidden_states, logits_to_keep)
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    return hidden_states[:, logits_to_keep, :]
 
 
 def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
@@ -179,9 +189,9 @@ def _liger_ce(logits, targets, num_items_in_batch):
 
     check_kernel_device(logits, "Liger cross entropy")
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = liger_cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction
-    )
+    # The kernel writes the gradient into its input: give it an fp32 copy, never the logits returned to the caller.
+    logits_fp32 = logits.reshape(-1, logits.shape[-1]).to(torch.float32, copy=True)
+    loss = liger_cross_entropy(logits_fp32, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
     return loss

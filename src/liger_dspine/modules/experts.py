@@ -1,17 +1,9 @@
-import os
-
 import torch
+from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 from torch import nn
 
-# liger-kernel's fused-MoE autotuner compiles dozens of configurations on the first backward (minutes at
-# DeepSeek-V3 widths). It is read when liger-kernel's kernel module is imported, so the default set here only takes
-# effect if that import has not happened yet; an explicit LIGER_FUSED_MOE_AUTOTUNE=1 is respected.
-os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
-
-from liger_kernel.ops.fused_moe import LigerFusedMoEFunction  # noqa: E402
-
-from liger_dspine._interpreter import check_kernel_device  # noqa: E402
-from liger_dspine.modules.swiglu import check_activation  # noqa: E402
+from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.modules.swiglu import check_activation
 
 
 def _num_experts(config) -> int:

@@ -12,7 +12,7 @@ def apply_liger_kernel_to_deepseek_v3(
     model=None,
     *,
     moe_router: bool = True,
-    fused_experts: bool = True,
+    fused_experts: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
@@ -28,8 +28,9 @@ def apply_liger_kernel_to_deepseek_v3(
             routed experts -> ``LigerFusedExperts`` (liger-kernel's fused MoE).
         moe_router: (keyword-only) DeepSeek-V3's sigmoid + grouped top-k routing in one Triton kernel, with a
             router-logit GEMM that keeps no fp32 copy of the hidden states for backward.
-        fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels;
-            False keeps transformers' experts (its ``grouped_mm`` implementation on GPU).
+        fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels.
+            Default False: transformers' own experts (``grouped_mm`` on GPU) measured faster on the H200 at the
+            benchmark shapes, and start without an autotuning pass.
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 

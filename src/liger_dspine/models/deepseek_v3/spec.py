@@ -9,7 +9,7 @@ MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 DEEPSEEK_V3_SPEC = PatchSpec(
     model_type="deepseek_v3",
     module=MODELING,
-    base_class="DeepseekV3PreTrainedModel",
+    base_classes=(f"{MODELING}:DeepseekV3PreTrainedModel",),
     swaps=(
         # final norm, input / post-attention norms, q_a_layernorm (with q_lora_rank), kv_a_layernorm
         ClassSwap("rms_norm", ("DeepseekV3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),

@@ -1,0 +1,34 @@
+from liger_dspine import patching
+from liger_dspine._versions import require_supported_versions
+from liger_dspine.models.dspine.spec import DSPINE_SPEC
+
+
+def apply_liger_kernel_to_dspine(
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    fused_objective: bool = True,
+    model=None,
+) -> patching.PatchReport:
+    """Swap a DSpine drafter's modules (and its objective's frozen-head terms) for Liger kernels.
+
+    Args:
+        rms_norm: every RMSNorm (layer norms, q/k norms, ``hidden_norm``, final ``norm``) -> ``LigerRMSNorm``.
+        swiglu: the decoder layers' SwiGLU MLPs -> ``LigerSwiGLUMLP``.
+        fused_objective: the objective's per-row CE, L1 to the teacher and top-k candidates through the frozen
+            head, computed chunk by chunk in Triton kernels (no [rows, vocab] logits kept, no head gradient).
+        model: None patches at class level (drafters and objectives built afterwards); a ``DSpineDraftModel``
+            or a ``DSpineObjective`` patches that instance only (an objective includes its drafter).
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    require_supported_versions()
+    options = dict(rms_norm=rms_norm, swiglu=swiglu, fused_objective=fused_objective)
+    if model is None:
+        return patching.apply_class_level(DSPINE_SPEC, options)
+    return patching.apply_to_instance(DSPINE_SPEC, options, model)
+
+
+def revert_liger_kernel_to_dspine() -> list[str]:
+    """Restore every object a class-level ``apply_liger_kernel_to_dspine`` replaced; returns their names."""
+    return patching.revert_class_level(DSPINE_SPEC)

@@ -1,0 +1,155 @@
+"""Draft-block attention over [target context ; draft block] with a causal-block mask.
+
+Supported implementations (``config._attn_implementation``): "sdpa" (default), "eager" and "flex_attention".
+Dense masks are bool [B, 1, Q, S+Q] (True = attend). Rows with no visible key (dropped blocks) are made to attend
+everywhere and their output is zeroed afterwards, so every implementation returns finite zeros there with zero
+gradients, whatever the backend does with fully masked rows.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+from liger_dspine.models.dspine import builders
+
+SUPPORTED_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+@dataclass
+class PreparedMask:
+    """A mask in the form the attention call consumes.
+
+    dense: bool [B, 1, Q, K] with fully masked rows opened up (None for flex).
+    row_visible: [B, 1, Q, 1] bool, False for rows whose output is forced to zero (None for flex).
+    block_mask: a flex ``BlockMask`` (None for dense).
+    """
+
+    dense: torch.Tensor | None = None
+    row_visible: torch.Tensor | None = None
+    block_mask: object | None = None
+
+
+def prepare_mask(mask) -> PreparedMask:
+    """Accepts a bool tensor [B, 1, Q, K] (True = attend) or a flex ``BlockMask``."""
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or mask.dim() != 4:
+            raise ValueError(f"DSpine expects a bool attention mask [B, 1, Q, K], got {mask.dtype} {tuple(mask.shape)}")
+        row_visible = mask.any(dim=-1, keepdim=True)
+        return PreparedMask(dense=mask | ~row_visible, row_visible=row_visible)
+    return PreparedMask(block_mask=mask)
+
+
+def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half RoPE. states [B, heads, T, d]; cos/sin [B, T, d]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return states * cos + rotate_half(states) * sin
+
+
+def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    return states if groups == 1 else states.repeat_interleave(groups, dim=1)
+
+
+def _eager(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int) -> torch.Tensor:
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~mask.dense, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(weights, value)
+
+
+def _sdpa(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int) -> torch.Tensor:
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask.dense, dropout_p=dropout, scale=scaling)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _flex(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int, **kwargs):
+    if dropout > 0:
+        raise ValueError("DSpine flex attention needs attention_dropout == 0")
+    if query.is_cuda:
+        flex_attention = _compiled_flex_attention()
+        options = {"kernel_options": kwargs["kernel_options"]} if kwargs.get("kernel_options") else {}
+    else:  # the unfused reference path (CPU tests)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        options = {}
+    return flex_attention(
+        query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=groups > 1, **options
+    )
+
+
+class DSpineAttention(nn.Module):
+    """Grouped-query attention of the draft block over [context ; draft], q/k RMS-normed per head."""
+
+    def __init__(self, config, use_liger_kernel: bool = False):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        bias = config.attention_bias
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = builders.make_rms_norm(self.head_dim, config.rms_norm_eps, use_liger_kernel)
+        self.k_norm = builders.make_rms_norm(self.head_dim, config.rms_norm_eps, use_liger_kernel)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: PreparedMask,
+        **kwargs,
+    ) -> torch.Tensor:
+        """
+        Args:
+            hidden_states: [B, Q, H] normed draft stream (Q = N*b).
+            context: [B, S, H] fused target context.
+            position_embeddings: (cos, sin), each [B, S+Q, d]; queries use the last Q positions.
+            attention_mask: the prepared causal-block mask.
+
+        Returns:
+            [B, Q, H].
+        """
+        batch, q_len, _ = hidden_states.shape
+        kv_input = torch.cat([context, hidden_states], dim=1)  # [B, S+Q, H]
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query = apply_rotary(query, cos[:, -q_len:], sin[:, -q_len:])
+        key = apply_rotary(key, cos, sin)
+
+        implementation = self.config._attn_implementation or "sdpa"
+        dropout = self.attention_dropout if self.training else 0.0
+        args = (query, key, value, attention_mask, self.scaling, dropout, self.num_key_value_groups)
+        if implementation == "sdpa":
+            output = _sdpa(*args)
+        elif implementation == "eager":
+            output = _eager(*args)
+        elif implementation == "flex_attention":
+            output = _flex(*args, **kwargs)
+        else:
+            raise ValueError(f"DSpine attention supports {SUPPORTED_ATTENTION}, got {implementation!r}")
+        if attention_mask.row_visible is not None:
+            output = output * attention_mask.row_visible.to(output.dtype)
+        output = output.transpose(1, 2).reshape(batch, q_len, -1)
+        return self.o_proj(output)

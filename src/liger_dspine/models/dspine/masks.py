@@ -1,0 +1,60 @@
+"""Causal-block attention masks and position ids for the draft stream.
+
+Keys index the concatenation [target context (S) ; draft blocks (N*b)]. Query q of block n = q // b, offset
+j = q % b sees (when block n is kept) context keys strictly before the block's anchor and the draft keys of its own
+block at offsets <= j. Dropped blocks see nothing.
+"""
+
+import torch
+
+
+def draft_position_ids(anchors: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """[B, S + N*b] long: 0..S-1 for the context, then ``anchor + j`` for draft slot j of each block."""
+    batch = anchors.shape[0]
+    offsets = torch.arange(block_size, device=anchors.device)
+    context = torch.arange(context_length, device=anchors.device).expand(batch, context_length)
+    draft = (anchors[:, :, None] + offsets).reshape(batch, -1)
+    return torch.cat([context, draft], dim=1)
+
+
+def causal_block_mask(anchors: torch.Tensor, keep: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """Dense bool mask [B, 1, N*b, S + N*b], True = attend.
+
+    Args:
+        anchors: [B, N] long, anchor position of each block in the context.
+        keep: [B, N] bool, whether the block is used.
+    """
+    batch, num_blocks = anchors.shape
+    device = anchors.device
+    draft_length = num_blocks * block_size
+    query = torch.arange(draft_length, device=device)
+    query_block, query_offset = query // block_size, query % block_size
+    # Context part: [B, N*b, S], visible strictly before the anchor.
+    query_anchor = anchors.repeat_interleave(block_size, dim=1)
+    context_visible = torch.arange(context_length, device=device) < query_anchor[:, :, None]
+    # Draft part: [N*b, N*b], same block and offset <= own offset.
+    same_block = query_block[:, None] == query_block[None, :]
+    draft_visible = same_block & (query_offset[None, :] <= query_offset[:, None])
+    draft_visible = draft_visible.expand(batch, draft_length, draft_length)
+    visible = torch.cat([context_visible, draft_visible], dim=-1)
+    query_keep = keep.repeat_interleave(block_size, dim=1)
+    return (visible & query_keep[:, :, None])[:, None]
+
+
+def causal_block_flex_mask(anchors: torch.Tensor, keep: torch.Tensor, context_length: int, block_size: int):
+    """The same predicate as :func:`causal_block_mask`, as a flex-attention ``BlockMask`` (H=None)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, num_blocks = anchors.shape
+    draft_length = num_blocks * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        offset = q_idx % block_size
+        anchor = anchors[b, block]
+        in_context = (kv_idx < context_length) & (kv_idx < anchor)
+        draft_idx = kv_idx - context_length
+        in_block = (kv_idx >= context_length) & (draft_idx // block_size == block) & (draft_idx % block_size <= offset)
+        return keep[b, block] & (in_context | in_block)
+
+    return create_block_mask(mask_mod, batch, None, draft_length, context_length + draft_length, device=anchors.device)

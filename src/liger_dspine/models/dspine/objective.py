@@ -1,0 +1,309 @@
+"""The DSpine training objective: a drafter trained against a frozen target's head and final states.
+
+Per supervised proposal (weight w, position-decayed):
+    ce_weight * CE + (1 - ce_weight) * L1(draft, teacher)           backbone terms
+  + ce_weight * refCE + (1 - ce_weight) * refL1                     top-k refinement through ``refine``
+  + beta * CE_global * sum_l (1 - cos(feature_l, code(label)))      alignment, beta on a warm-up schedule
+and the loss is sum(numerator) / max(sum w, 1). CE_global is the detached, globally reduced weighted mean CE
+(one all-reduce), or a value handed in by the accumulation driver.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from liger_dspine.models.dspine.blocks import block_targets
+from liger_dspine.models.dspine.blocks import noise_token_ids
+from liger_dspine.models.dspine.blocks import sample_anchor_positions
+from liger_dspine.models.dspine.blocks import teacher_positions
+from liger_dspine.models.dspine.chunking import checkpointed_chunk_reduce
+from liger_dspine.models.dspine.frozen_head_terms import resolve_frozen_head_terms
+from liger_dspine.models.dspine.masks import causal_block_flex_mask
+from liger_dspine.models.dspine.masks import causal_block_mask
+from liger_dspine.models.dspine.masks import draft_position_ids
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOSS_DECAY_GAMMA = 7.0
+BACKBONE_CE = "dspine/backbone_ce"
+
+
+@dataclass
+class DSpineObjectiveOutput:
+    """loss: numerator / max(D, 1); accuracy: correct / max(count, 1).
+
+    ratio_metrics: name -> (numerator, denominator), summable across micro-batches and ranks.
+    accuracy_denom: count of supervised proposals (unweighted).
+    loss_terms: (numerator, D), D the weighted count of supervised proposals.
+    alignment_ce: the CE_global used for the alignment scale (None on the CE-only path).
+    """
+
+    loss: torch.Tensor
+    accuracy: torch.Tensor
+    ratio_metrics: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    accuracy_denom: torch.Tensor
+    loss_terms: tuple[torch.Tensor, torch.Tensor]
+    alignment_ce: torch.Tensor | None = None
+
+
+def refinement_terms(
+    refined: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    candidate_teacher_probs: torch.Tensor,
+    labels: torch.Tensor,
+    head_weight: torch.Tensor,
+    ce_weight: float,
+    mass_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refinement loss over the K candidates of each proposal.
+
+    Args:
+        refined: [..., H] ``refine(pre_injection, true predecessor)``.
+        candidate_ids: [..., K]; candidate_teacher_probs: [..., K]; labels: [...].
+
+    Returns:
+        ref: [...] fp32, ce_weight * refCE + (1 - ce_weight) * refL1 (refL1 only where the teacher mass on the
+            candidates exceeds ``mass_threshold``; refCE is 0 when the label is not a candidate).
+        covered: [...] bool, label among the candidates.
+    """
+    candidates = head_weight[candidate_ids].float()  # [..., K, H]
+    scores = torch.matmul(candidates, refined.float()[..., None]).squeeze(-1)  # [..., K]
+    log_probs = torch.log_softmax(scores, dim=-1)
+    mass = candidate_teacher_probs.sum(dim=-1, keepdim=True)
+    teacher = candidate_teacher_probs / mass.clamp_min(1e-30)
+    hits = candidate_ids == labels[..., None]
+    ref_ce = -(log_probs * hits).sum(dim=-1)
+    ref_l1 = (log_probs.exp() - teacher).abs().sum(dim=-1) * (mass.squeeze(-1) > mass_threshold)
+    return ce_weight * ref_ce + (1.0 - ce_weight) * ref_l1, hits.any(dim=-1)
+
+
+def alignment_terms(layer_features: torch.Tensor, label_codes: torch.Tensor) -> torch.Tensor:
+    """1 - cos(feature, code) per layer: layer_features [M, L, P, r], label_codes [M, P, r] -> [M, L, P] fp32."""
+    return 1.0 - F.cosine_similarity(layer_features.float(), label_codes.float()[:, None], dim=-1, eps=1e-8)
+
+
+class DSpineObjective(nn.Module):
+    """Trains a :class:`DSpineDraftModel` against a frozen target (its embedding, lm_head and hidden states).
+
+    Args:
+        draft_model: the drafter; its transfer space is initialised from ``target_lm_head`` if not ready.
+        target_lm_head: nn.Linear [V, H] without bias (frozen here).
+        target_embed_tokens: nn.Embedding [V, H] (frozen here).
+        mask_token_id: id filling proposal slots; defaults to the draft config's.
+        block_size: must equal the draft's when given.
+        num_anchors: blocks drawn per row at most.
+        loss_decay_gamma: position decay of proposal weights (None -> 7.0; <= 0 disables).
+        objective_chunk_blocks: blocks per objective chunk (0 = one chunk, no checkpointing).
+        fused_objective: use the fused frozen-head kernel instead of the eager :func:`frozen_head_terms`.
+    """
+
+    def __init__(
+        self,
+        draft_model: nn.Module,
+        target_lm_head: nn.Linear,
+        target_embed_tokens: nn.Embedding,
+        mask_token_id: int | None = None,
+        block_size: int | None = None,
+        num_anchors: int = 512,
+        loss_decay_gamma: float | None = None,
+        objective_chunk_blocks: int = 128,
+        fused_objective: bool = False,
+    ):
+        super().__init__()
+        if block_size is not None and block_size != draft_model.block_size:
+            raise ValueError(
+                f"DSpine training block_size {block_size} differs from the draft's {draft_model.block_size}"
+            )
+        if objective_chunk_blocks < 0:
+            raise ValueError(f"DSpine objective_chunk_blocks must be >= 0, got {objective_chunk_blocks}")
+        if target_lm_head.bias is not None:
+            raise ValueError("DSpine expects a target lm_head without bias")
+        mask_token_id = draft_model.mask_token_id if mask_token_id is None else mask_token_id
+        if mask_token_id is None:
+            raise ValueError("DSpine needs a mask_token_id (argument or dflash_config.mask_token_id)")
+        self.draft_model = draft_model
+        self.lm_head = target_lm_head.requires_grad_(False)
+        self.embed_tokens = target_embed_tokens.requires_grad_(False)
+        self.mask_token_id = mask_token_id
+        self.block_size = draft_model.block_size
+        self.num_anchors = num_anchors
+        self.loss_decay_gamma = DEFAULT_LOSS_DECAY_GAMMA if loss_decay_gamma is None else loss_decay_gamma
+        self.objective_chunk_blocks = objective_chunk_blocks
+        self.dspine_config = draft_model.dspine_config
+        self.fused_objective = fused_objective
+        self.frozen_head_terms = resolve_frozen_head_terms(fused_objective)
+        if not bool(draft_model.transfer_ready):
+            draft_model.initialize_transfer_space(self.lm_head.weight)
+
+    # ---------------------------------------------------------------------------------------------- chunk functions
+    def _ce_terms(self, hidden, labels, weights, supervised):
+        """CE-only chunk: (sum CE * w, correct count)."""
+        rows, proposals = labels.shape
+        terms = self.frozen_head_terms(hidden.reshape(rows * proposals, -1), self.lm_head.weight, labels.reshape(-1))
+        ce = terms.ce.view(rows, proposals)
+        correct = (terms.correct.view(rows, proposals) & supervised).sum().float()
+        return (ce * weights).sum(), correct
+
+    def _objective_terms(self, hidden, pre, features, labels, previous, teacher, weights, supervised):
+        """Full chunk: (sum CE w, sum L1 w, sum ref w, sum align w, correct, coverage).
+
+        Shapes: hidden/pre/teacher [c, P, H], features [c, L, P, r], labels/previous/weights/supervised [c, P].
+        """
+        options = self.dspine_config
+        rows, proposals = labels.shape
+        head = self.lm_head.weight
+        terms = self.frozen_head_terms(
+            hidden.reshape(rows * proposals, -1),
+            head,
+            labels.reshape(-1),
+            teacher.reshape(rows * proposals, -1),
+            options.top_k,
+        )
+        ce = terms.ce.view(rows, proposals)
+        l1 = terms.l1.view(rows, proposals)
+        candidate_ids = terms.candidate_ids.view(rows, proposals, -1)
+        candidate_probs = terms.candidate_teacher_probs.view(rows, proposals, -1)
+        refined = self.draft_model.refine(pre, previous)
+        ref, covered = refinement_terms(
+            refined, candidate_ids, candidate_probs, labels, head, options.ce_weight, options.candidate_mass_threshold
+        )
+        align = alignment_terms(features, self.draft_model.transfer_codes[labels])
+        with torch.no_grad():
+            correct = (terms.correct.view(rows, proposals) & supervised).sum().float()
+            coverage = (covered & supervised).sum().float()
+        return (
+            (ce * weights).sum(),
+            (l1 * weights).sum(),
+            (ref * weights).sum(),
+            (align * weights[:, None, :]).sum(),
+            correct,
+            coverage,
+        )
+
+    # ------------------------------------------------------------------------------------------------------ forward
+    def _attention_masks(self, anchors, keep, context_length):
+        implementation = self.draft_model.config._attn_implementation or "sdpa"
+        build = causal_block_flex_mask if implementation == "flex_attention" else causal_block_mask
+        mask = build(anchors, keep, context_length, self.block_size)
+        return {kind: mask for kind in set(self.draft_model.layer_types)}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        max_valid_anchors: int | None = None,
+        global_step: int = 0,
+        total_steps: int | None = None,
+        alignment_ce: torch.Tensor | float | None = None,
+        ce_only: bool = False,
+    ) -> DSpineObjectiveOutput:
+        """
+        Args:
+            input_ids: [B, S] long.
+            hidden_states: [B, S, T*H] target taps (concatenated in ``target_layer_ids`` order).
+            loss_mask: [B, S], > 0.5 where supervised.
+            target_last_hidden_states: [B, S, H] the target's final-normed states (position s predicts s+1).
+                Not needed when ``ce_only``.
+            global_step / total_steps: drive the alignment and teacher-forcing schedules.
+            alignment_ce: CE_global for the alignment scale; None computes it here (one all-reduce when
+                torch.distributed is initialised).
+            ce_only: graph-free prepass (autograd must be off): same draws and draft forward, backbone CE only.
+        """
+        if ce_only and torch.is_grad_enabled():
+            raise ValueError("DSpine CE prepass requires gradients to be disabled")
+        if not ce_only and target_last_hidden_states is None:
+            raise ValueError("DSpine objective needs target_last_hidden_states")
+        draft = self.draft_model
+        batch, seq = input_ids.shape
+        block = self.block_size
+        anchors, keep = sample_anchor_positions(loss_mask, self.num_anchors, max_valid_anchors)
+        targets = block_targets(input_ids, loss_mask, anchors, keep, block, self.loss_decay_gamma)
+        beta, p_replace = self.dspine_config.schedule(global_step, total_steps)
+        replace = None
+        if self.training and p_replace > 0:
+            replace = (torch.rand(anchors.shape, device=anchors.device) < p_replace) & keep
+        noise_embedding = self.embed_tokens(noise_token_ids(input_ids, anchors, keep, block, self.mask_token_id))
+        kwargs = {}
+        if (draft.config._attn_implementation or "sdpa") == "flex_attention":
+            kwargs["kernel_options"] = {"BACKEND": "TRITON"}
+        out = draft(
+            draft_position_ids(anchors, seq, block),
+            self._attention_masks(anchors, keep, seq),
+            noise_embedding,
+            hidden_states.detach(),
+            targets.labels,
+            replace,
+            **kwargs,
+        )
+
+        num_blocks = anchors.shape[1]
+        rows, proposals = batch * num_blocks, block - 1
+        hidden = out.hidden_states[:, :, 1:].reshape(rows, proposals, -1)
+        labels = targets.labels[..., 1:].reshape(rows, proposals)
+        weights = targets.weights.reshape(rows, proposals).to(torch.float32)
+        supervised = targets.supervised.reshape(rows, proposals)
+        denominator = weights.sum()
+        count = supervised.sum().float()
+
+        if ce_only:
+            ce, correct = checkpointed_chunk_reduce(
+                self._ce_terms, (hidden, labels, weights, supervised), self.objective_chunk_blocks
+            )
+            return DSpineObjectiveOutput(
+                loss=ce / denominator.clamp_min(1.0),
+                accuracy=correct / count.clamp_min(1.0),
+                ratio_metrics={BACKBONE_CE: (ce, denominator)},
+                accuracy_denom=count,
+                loss_terms=(ce, denominator),
+            )
+
+        pre = out.pre_injection[:, :, 1:].reshape(rows, proposals, -1)
+        features = (
+            out.layer_features[:, :, :, 1:].permute(1, 2, 0, 3, 4).reshape(rows, len(draft.layers), proposals, -1)
+        )
+        previous = targets.labels[..., :-1].reshape(rows, proposals)
+        positions = teacher_positions(targets.source).reshape(batch, -1)  # [B, N*P]
+        teacher = target_last_hidden_states.detach().gather(
+            1, positions[..., None].expand(-1, -1, target_last_hidden_states.shape[-1])
+        )
+        teacher = teacher.reshape(rows, proposals, -1)
+        ce, l1, ref, align, correct, coverage = checkpointed_chunk_reduce(
+            self._objective_terms,
+            (hidden, pre, features, labels, previous, teacher, weights, supervised),
+            self.objective_chunk_blocks,
+        )
+        if alignment_ce is None:
+            alignment_ce = global_mean_ce(ce.detach(), denominator.detach())
+        alignment_ce = torch.as_tensor(alignment_ce, dtype=torch.float32, device=ce.device).detach()
+        options = self.dspine_config
+        numerator = options.ce_weight * ce + (1.0 - options.ce_weight) * l1 + ref + beta * alignment_ce * align
+        return DSpineObjectiveOutput(
+            loss=numerator / denominator.clamp_min(1.0),
+            accuracy=correct / count.clamp_min(1.0),
+            ratio_metrics={
+                BACKBONE_CE: (ce.detach(), denominator),
+                "dspine/backbone_l1": (l1.detach(), denominator),
+                "dspine/refinement_loss": (ref.detach(), denominator),
+                "dspine/alignment_loss": (align.detach(), denominator),
+                "dspine/candidate_coverage": (coverage, count),
+            },
+            accuracy_denom=count,
+            loss_terms=(numerator, denominator),
+            alignment_ce=alignment_ce,
+        )
+
+
+def global_mean_ce(ce_sum: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """sum CE / sum D over all ranks (one all-reduce when torch.distributed is initialised)."""
+    totals = torch.stack([ce_sum.float(), denominator.float()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    if not bool(totals[1] > 0):
+        raise ValueError("DSpine batch has no supervised proposal tokens")
+    return totals[0] / totals[1]

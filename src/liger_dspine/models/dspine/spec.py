@@ -1,0 +1,27 @@
+"""What the DSpine patch replaces, as data."""
+
+from liger_dspine.patching import ClassSwap
+from liger_dspine.patching import PatchSpec
+
+BUILDERS = "liger_dspine.models.dspine.builders"
+
+DSPINE_SPEC = PatchSpec(
+    model_type="dspine",
+    module=BUILDERS,
+    base_classes=(
+        "liger_dspine.models.dspine.modeling:DSpinePreTrainedModel",
+        "liger_dspine.models.dspine.objective:DSpineObjective",
+    ),
+    swaps=(
+        # layer norms, q/k norms, hidden_norm and the final norm are all built through builders.Qwen3RMSNorm
+        ClassSwap("rms_norm", ("Qwen3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
+        ClassSwap("swiglu", ("Qwen3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        # the objective's per-row CE / L1 / top-k through the frozen head, chunked in Triton kernels
+        ClassSwap(
+            "fused_objective",
+            ("frozen_head_terms",),
+            "liger_dspine.ops.frozen_head_objective:fused_frozen_head_terms",
+            module="liger_dspine.models.dspine.frozen_head_terms",
+        ),
+    ),
+)

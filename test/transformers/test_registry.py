@@ -1,0 +1,171 @@
+"""The model-type registry, the strict generic entry points, and the hook into liger-kernel's own table."""
+
+import pytest
+import torch
+from liger_kernel.transformers import AutoLigerKernelForCausalLM
+from liger_kernel.transformers import monkey_patch as liger_monkey_patch
+from transformers import DeepseekV3ForCausalLM
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM
+
+from liger_dspine import MODEL_TYPE_TO_APPLY_LIGER_FN
+from liger_dspine import apply_liger_kernel
+from liger_dspine import apply_liger_kernel_to_deepseek_v3
+from liger_dspine import apply_liger_kernel_to_instance
+from liger_dspine import register_with_liger
+from liger_dspine.modules.causal_lm_forward import lce_forward
+from liger_dspine.modules.experts import LigerFusedExperts
+from liger_dspine.modules.rms_norm import LigerRMSNorm
+from liger_dspine.modules.swiglu import LigerSwiGLUMLP
+from tiny_models import build_model
+from tiny_models import changed_modeling_globals
+from tiny_models import class_patches_reverted
+from tiny_models import module_types
+from tiny_models import snapshot_modeling_globals
+from tiny_models import tiny_deepseek_v3_config
+
+LIGER_TABLE = liger_monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN
+LIGER_DEEPSEEK_V3_FN = LIGER_TABLE["deepseek_v3"]
+
+
+@pytest.fixture
+def class_level():
+    with class_patches_reverted() as before:
+        yield before
+
+
+@pytest.fixture
+def liger_table():
+    """liger-kernel's dispatch table, restored entry by entry (same objects) afterwards."""
+    saved = dict(LIGER_TABLE)
+    yield LIGER_TABLE
+    LIGER_TABLE.clear()
+    LIGER_TABLE.update(saved)
+    assert LIGER_TABLE["deepseek_v3"] is LIGER_DEEPSEEK_V3_FN
+
+
+def tiny_llama():
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    return LlamaForCausalLM(config)
+
+
+def assert_liger_dspine_modules(model) -> None:
+    """The model was patched by this package (not by liger-kernel's own deepseek_v3 function)."""
+    types = list(module_types(model).values())
+    assert types.count(LigerRMSNorm) == 9
+    assert types.count(LigerSwiGLUMLP) == 2
+    assert types.count(LigerFusedExperts) == 1
+    assert not [t for t in types if t.__module__.startswith("liger_kernel")]
+
+
+def test_table_serves_deepseek_v3():
+    assert MODEL_TYPE_TO_APPLY_LIGER_FN == {"deepseek_v3": apply_liger_kernel_to_deepseek_v3}
+
+
+def test_register_with_liger_replaces_liger_entry(liger_table):
+    others = {k: v for k, v in liger_table.items() if k != "deepseek_v3"}
+
+    result = register_with_liger()
+
+    assert result == {"registered": ["deepseek_v3"], "left_alone": []}
+    assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
+    assert {k: v for k, v in liger_table.items() if k != "deepseek_v3"} == others
+    # registering again is harmless
+    assert register_with_liger(override=False) == {"registered": ["deepseek_v3"], "left_alone": []}
+    assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
+
+
+def test_register_without_override_keeps_liger_entry(liger_table):
+    result = register_with_liger(override=False)
+
+    assert result == {"registered": [], "left_alone": ["deepseek_v3"]}
+    assert liger_table["deepseek_v3"] is LIGER_DEEPSEEK_V3_FN
+
+
+def test_register_without_override_adds_a_missing_entry(liger_table):
+    del liger_table["deepseek_v3"]
+
+    assert register_with_liger(override=False) == {"registered": ["deepseek_v3"], "left_alone": []}
+    assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
+
+
+def test_liger_auto_model_builds_our_modules_once_registered(liger_table, class_level):
+    register_with_liger()
+
+    model = AutoLigerKernelForCausalLM.from_config(tiny_deepseek_v3_config())
+
+    assert type(model) is DeepseekV3ForCausalLM
+    assert_liger_dspine_modules(model)
+    assert DeepseekV3ForCausalLM.forward is lce_forward
+
+
+def test_liger_instance_hook_patches_only_that_instance(liger_table):
+    """The path of ``transformers.Trainer(use_liger_kernel=True)`` for a built model."""
+    register_with_liger()
+    model, other = build_model(tiny_deepseek_v3_config()), build_model(tiny_deepseek_v3_config())
+    other_types = module_types(other)
+    before = snapshot_modeling_globals()
+
+    liger_monkey_patch._apply_liger_kernel_to_instance(model=model)
+
+    assert_liger_dspine_modules(model)
+    assert model.forward.__func__ is lce_forward
+    assert module_types(other) == other_types
+    assert changed_modeling_globals(before) == []
+
+
+def test_apply_liger_kernel_patches_classes(class_level):
+    report = apply_liger_kernel("deepseek_v3", swiglu=False)
+
+    assert report.scope == "class"
+    model = build_model(tiny_deepseek_v3_config())
+    types = list(module_types(model).values())
+    assert types.count(LigerRMSNorm) == 9 and LigerSwiGLUMLP not in types and LigerFusedExperts not in types
+
+
+def test_apply_liger_kernel_to_instance_patches_the_model():
+    model = build_model(tiny_deepseek_v3_config())
+    before = snapshot_modeling_globals()
+
+    report = apply_liger_kernel_to_instance(model, rms_norm=False)
+
+    assert report.scope == "instance"
+    types = list(module_types(model).values())
+    assert LigerRMSNorm not in types and types.count(LigerSwiGLUMLP) == 2
+    assert changed_modeling_globals(before) == []
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: apply_liger_kernel("llama"), ValueError, r"'llama'.*supported: deepseek_v3"),
+        (lambda: apply_liger_kernel("deepseek_v3", not_a_flag=True), TypeError, "not_a_flag"),
+        (lambda: apply_liger_kernel("deepseek_v3", model=torch.nn.Linear(2, 2)), TypeError, "instance"),
+        (
+            lambda: apply_liger_kernel_to_instance(build_model(tiny_deepseek_v3_config()), bogus=1),
+            TypeError,
+            "bogus",
+        ),
+        (lambda: apply_liger_kernel_to_instance(tiny_llama()), ValueError, r"'llama'.*supported: deepseek_v3"),
+        (lambda: apply_liger_kernel_to_instance(torch.nn.Linear(2, 2)), ValueError, "config.model_type"),
+    ],
+    ids=["unknown_type", "unknown_option", "model_to_class_patch", "unknown_instance_option", "llama", "no_config"],
+)
+def test_refused_calls_change_nothing(call, error, message):
+    before = snapshot_modeling_globals()
+
+    with pytest.raises(error, match=message):
+        call()
+
+    assert changed_modeling_globals(before) == []
+
+
+def test_unknown_option_error_lists_accepted_options():
+    with pytest.raises(TypeError) as raised:
+        apply_liger_kernel("deepseek_v3", not_a_flag=True, swiglu=False)
+    message = str(raised.value)
+    assert "'not_a_flag'" in message and "'swiglu'" not in message.split("accepts")[0]
+    for option in ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "swiglu"):
+        assert option in message.split("accepts")[1]
