@@ -93,7 +93,9 @@ def test_from_pretrained_with_a_given_config(class_level, checkpoint, native):
 def test_from_config_patches_then_builds(class_level, native):
     native_model, input_ids, native_logits = native
 
-    model = AutoLigerDSpineForCausalLM.from_config(native_model.config, rms_norm=False, dtype=torch.float32)
+    model = AutoLigerDSpineForCausalLM.from_config(
+        native_model.config, rms_norm=False, fused_experts=True, dtype=torch.float32
+    )
 
     assert model.dtype == torch.float32
     types = kinds(model)

@@ -66,6 +66,8 @@ OPTION_CASES = {
     "defaults": {},
     "no_rms_norm": {"rms_norm": False},
     "no_swiglu": {"swiglu": False},
+    "fused_experts": {"fused_experts": True},
+    "fused_experts_without_swiglu": {"swiglu": False, "fused_experts": True},
     "no_moe_router": {"moe_router": False},
     "no_rope": {"rope": False},
     "no_loss_forward": {"fused_linear_cross_entropy": False},
@@ -86,7 +88,8 @@ def swap_table(options: dict) -> dict[type, type]:
         table[NATIVE_RMS_NORM] = LigerRMSNorm
     if options["swiglu"]:
         table[NATIVE_MLP] = LigerSwiGLUMLP
-        table[NATIVE_EXPERTS] = LigerFusedExperts
+        if options["fused_experts"]:
+            table[NATIVE_EXPERTS] = LigerFusedExperts
     if options["moe_router"]:
         table[NATIVE_ROUTER] = LigerDeepseekV3TopkRouter
     if options["rope"]:
@@ -101,7 +104,8 @@ def expected_instance_report(options: dict, n_norms: int, n_mlps: int, n_moe: in
         counts["DeepseekV3RMSNorm modules"] = n_norms
     if options["swiglu"]:
         counts["DeepseekV3MLP modules"] = n_mlps
-        counts[f"{NATIVE_EXPERTS.__name__} modules"] = n_moe
+        if options["fused_experts"]:
+            counts[f"{NATIVE_EXPERTS.__name__} modules"] = n_moe
     if options["rope"]:
         counts["DeepseekV3Attention modules"] = N_LAYERS
     if options["moe_router"]:
@@ -386,6 +390,8 @@ parameters = inspect.signature(liger_dspine.apply_liger_kernel_to_deepseek_v3).p
 options = [name for name, p in parameters.items() if isinstance(p.default, bool)]
 messages = {"cuda": torch.cuda.is_available()}
 for enabled in options:  # one kernel family at a time
+    if enabled == "fused_experts":  # acts only together with swiglu: the routed_experts case below
+        continue
     model = build_model(config)
     liger_dspine.apply_liger_kernel_to_instance(model, **{name: name == enabled for name in options})
     try:
@@ -395,7 +401,9 @@ for enabled in options:  # one kernel family at a time
         messages[enabled] = str(error)
 # without a dense layer the routed experts run before any other SwiGLU module
 model = build_model(tiny_deepseek_v3_config(first_k_dense_replace=0))
-liger_dspine.apply_liger_kernel_to_instance(model, **{name: name == "swiglu" for name in options})
+liger_dspine.apply_liger_kernel_to_instance(
+    model, **{name: name in ("swiglu", "fused_experts") for name in options}
+)
 try:
     model(input_ids)
     messages["routed_experts"] = None

@@ -11,8 +11,10 @@ from transformers import LlamaForCausalLM
 from liger_dspine import MODEL_TYPE_TO_APPLY_LIGER_FN
 from liger_dspine import apply_liger_kernel
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
+from liger_dspine import apply_liger_kernel_to_dspine
 from liger_dspine import apply_liger_kernel_to_instance
 from liger_dspine import register_with_liger
+from liger_dspine.models.deepseek_v3.router import LigerDeepseekV3TopkRouter
 from liger_dspine.modules.causal_lm_forward import lce_forward
 from liger_dspine.modules.experts import LigerFusedExperts
 from liger_dspine.modules.rms_norm import LigerRMSNorm
@@ -56,38 +58,45 @@ def assert_liger_dspine_modules(model) -> None:
     types = list(module_types(model).values())
     assert types.count(LigerRMSNorm) == 9
     assert types.count(LigerSwiGLUMLP) == 2
-    assert types.count(LigerFusedExperts) == 1
+    assert types.count(LigerDeepseekV3TopkRouter) == 1
+    assert LigerFusedExperts not in types  # routed experts stay transformers' own by default
     assert not [t for t in types if t.__module__.startswith("liger_kernel")]
 
 
-def test_table_serves_deepseek_v3():
-    assert MODEL_TYPE_TO_APPLY_LIGER_FN == {"deepseek_v3": apply_liger_kernel_to_deepseek_v3}
+def test_table_serves_deepseek_v3_and_dspine():
+    assert MODEL_TYPE_TO_APPLY_LIGER_FN == {
+        "deepseek_v3": apply_liger_kernel_to_deepseek_v3,
+        "dspine": apply_liger_kernel_to_dspine,
+    }
 
 
 def test_register_with_liger_replaces_liger_entry(liger_table):
-    others = {k: v for k, v in liger_table.items() if k != "deepseek_v3"}
+    ours = ("deepseek_v3", "dspine")
+    others = {k: v for k, v in liger_table.items() if k not in ours}
 
     result = register_with_liger()
 
-    assert result == {"registered": ["deepseek_v3"], "left_alone": []}
+    assert result == {"registered": ["deepseek_v3", "dspine"], "left_alone": []}
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
-    assert {k: v for k, v in liger_table.items() if k != "deepseek_v3"} == others
+    assert liger_table["dspine"] is apply_liger_kernel_to_dspine
+    assert {k: v for k, v in liger_table.items() if k not in ours} == others
     # registering again is harmless
-    assert register_with_liger(override=False) == {"registered": ["deepseek_v3"], "left_alone": []}
+    assert register_with_liger(override=False) == {"registered": ["deepseek_v3", "dspine"], "left_alone": []}
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
 
 
 def test_register_without_override_keeps_liger_entry(liger_table):
     result = register_with_liger(override=False)
 
-    assert result == {"registered": [], "left_alone": ["deepseek_v3"]}
+    # liger-kernel has no dspine entry: it is added; its deepseek_v3 entry is kept
+    assert result == {"registered": ["dspine"], "left_alone": ["deepseek_v3"]}
     assert liger_table["deepseek_v3"] is LIGER_DEEPSEEK_V3_FN
 
 
 def test_register_without_override_adds_a_missing_entry(liger_table):
     del liger_table["deepseek_v3"]
 
-    assert register_with_liger(override=False) == {"registered": ["deepseek_v3"], "left_alone": []}
+    assert register_with_liger(override=False) == {"registered": ["deepseek_v3", "dspine"], "left_alone": []}
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
 
 

@@ -1,0 +1,101 @@
+"""Where the time and the memory of one DeepSeek-V3 training step go (GPU).
+
+Time: torch.profiler over one step after two warm-ups; CUDA kernels grouped into GEMM / attention / Triton /
+elementwise+copy, and the top kernels. Memory: a census of the tensors autograd saves for backward, by shape.
+
+    python benchmark/profile_step.py --impl dspine --layers 8 --seq 4096 [--options JSON]
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_deepseek_v3 import _apply_patch  # noqa: E402
+from bench_deepseek_v3 import deepseek_v3_config  # noqa: E402
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")):
+        return "gemm"
+    if any(k in lowered for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+        return "attention"
+    if "triton" in lowered or lowered.startswith("_"):
+        return "triton"
+    return "elementwise+copy"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", default="dspine")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--options", default="{}")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    _apply_patch(args.impl, json.loads(args.options))
+    config = deepseek_v3_config(args.layers, tiny=False, max_seq=args.seq)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        model = DeepseekV3ForCausalLM(config)
+        torch.set_default_dtype(torch.float32)
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (1, args.seq), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+
+    saved = collections.Counter()
+    seen = set()
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if t.is_cuda and key not in seen and not isinstance(t, torch.nn.Parameter):
+            seen.add(key)
+            saved[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    total = sum(saved.values())
+    print(f"\n## saved for backward ({args.impl} {args.layers}L/{args.seq}): {total / 2**30:.2f} GiB, unique storages")
+    for (shape, dtype), nbytes in saved.most_common(args.top):
+        print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_cat = collections.Counter()
+    for e in events:
+        by_cat[kernel_category(e.key)] += e.self_device_time_total
+    step_us = sum(by_cat.values())
+    print(f"\n## CUDA time of one step ({args.impl} {args.layers}L/{args.seq}): {step_us / 1000:.1f} ms")
+    for cat, us in by_cat.most_common():
+        print(f"{cat:18s} {us / 1000:8.1f} ms  {100 * us / step_us:5.1f}%")
+    print("\n## top kernels")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+        print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} [{kernel_category(e.key)}] {e.key[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
