@@ -9,7 +9,12 @@ REQUIREMENTS ?= requirements/ci.txt
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-convergence checkstyle format bench setup clean
+MATRIX_VERSIONS ?= 5.17
+FAST_TESTS ?= test/transformers/test_deepseek_v3_patch.py test/transformers/test_lce_forward.py \
+	test/transformers/test_registry.py test/transformers/test_auto_model.py test/transformers/test_module_parity.py \
+	test/transformers/test_interleaved_rope.py test/transformers/test_moe_router.py
+
+.PHONY: demo test test-fast test-matrix test-convergence checkstyle format bench setup clean
 
 setup: $(STAMP)
 
@@ -29,6 +34,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) test/transformers
 
+# The DeepSeek-V3 subset, in this environment.
+test-fast: $(STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) $(FAST_TESTS)
+
+# The DeepSeek-V3 subset against other transformers versions, each in its own environment (.venv-<version>).
+test-matrix:
+	set -e; for v in $(MATRIX_VERSIONS); do \
+		$(MAKE) test-fast VENV=.venv-$$v REQUIREMENTS=requirements/transformers-$$v.txt; \
+	done
+
 test-convergence: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) test/convergence
 
@@ -45,4 +60,4 @@ bench: $(STAMP)
 	$(PY) benchmark/bench_deepseek_v3.py --suite quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-* .pytest_cache .ruff_cache

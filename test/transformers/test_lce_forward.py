@@ -5,6 +5,7 @@ difference comes from the loss path. Tolerance 1e-5: fp32 rounding of a chunked,
 """
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -127,14 +128,23 @@ def test_eval_gives_native_logits_and_loss(native, lce, batch):
     torch.testing.assert_close(skipped.loss, native_out.loss, **FP32)
 
 
+# transformers added 2-D positions and boolean masks for logits_to_keep (slice_logits_to_keep) after 5.17
+NEEDS_2D_KEEP = pytest.mark.skipif(
+    not hasattr(importlib.import_module("transformers.modeling_utils"), "slice_logits_to_keep"),
+    reason="this transformers version's native forward takes only int or 1-D logits_to_keep",
+)
+
+
 @pytest.mark.parametrize(
     "logits_to_keep",
     [
         1,
         3,
         torch.tensor([0, 4, 6]),
-        torch.tensor([[0, 5], [2, 6], [1, 1], [6, 3]]),  # per-sample positions [B, P]
-        torch.arange(28).reshape(4, 7) % 3 == 1,  # boolean mask [B, S] (logits [N, V])
+        pytest.param(
+            torch.tensor([[0, 5], [2, 6], [1, 1], [6, 3]]), marks=NEEDS_2D_KEEP
+        ),  # per-sample positions [B, P]
+        pytest.param(torch.arange(28).reshape(4, 7) % 3 == 1, marks=NEEDS_2D_KEEP),  # boolean mask [B, S]
     ],
     ids=["last", "last_3", "positions", "positions_per_sample", "mask"],
 )
