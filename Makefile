@@ -9,7 +9,7 @@ REQUIREMENTS ?= requirements/ci.txt
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-MATRIX_VERSIONS ?= 5.17
+MATRIX_VERSIONS ?= 5.8.1 5.17
 FAST_TESTS ?= test/transformers/test_deepseek_v3_patch.py test/transformers/test_lce_forward.py \
 	test/transformers/test_registry.py test/transformers/test_auto_model.py test/transformers/test_module_parity.py \
 	test/transformers/test_interleaved_rope.py test/transformers/test_moe_router.py
