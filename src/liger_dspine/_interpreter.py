@@ -41,6 +41,9 @@ def enable_cpu_interpreter() -> None:
     if _enabled:
         return
     compiled = [name for name in sys.modules if name.startswith(_KERNEL_MODULE_PREFIXES)]
+    # triton.language decorates its own helper functions (tl.sigmoid, ...) at import: they must be interpreted too
+    if "triton.language" in sys.modules:
+        compiled.append("triton.language")
     if compiled and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "liger-dspine: the CPU interpreter must be enabled before Triton kernel modules are imported; "

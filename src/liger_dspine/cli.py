@@ -13,7 +13,9 @@ def main(argv=None) -> int:
         help="run Triton kernels on the CPU through Triton's interpreter (automatic when no CUDA device is present)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a tiny DeepSeek-V3 natively and patched on embedded text")
+    demo = sub.add_parser(
+        "demo", help="train a tiny DeepSeek-V3, then a tiny DSpine drafter, natively and patched on embedded text"
+    )
     demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--seed", type=int, default=0)
     inspect = sub.add_parser("inspect", help="print what the patch replaces for a model config")
@@ -23,8 +25,11 @@ def main(argv=None) -> int:
     _setup_device(args.cpu_interpreter)
     if args.command == "demo":
         from liger_dspine.demo import run_demo
+        from liger_dspine.demo_dspine import run_dspine_demo
 
-        return run_demo(steps=args.steps, seed=args.seed)
+        deepseek_v3 = run_demo(steps=args.steps, seed=args.seed)
+        dspine = run_dspine_demo(steps=args.steps, seed=args.seed)
+        return deepseek_v3 or dspine
     return _inspect(args.config)
 
 

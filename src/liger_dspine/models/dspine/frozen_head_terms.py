@@ -89,6 +89,10 @@ def frozen_head_terms(
     return FrozenHeadTerms(ce, correct, l1, candidate_ids, candidate_teacher_probs)
 
 
+# The eager function under a name no patch rebinds (a class-level patch rebinds ``frozen_head_terms``).
+EAGER_FROZEN_HEAD_TERMS = frozen_head_terms
+
+
 def resolve_frozen_head_terms(fused: bool) -> FrozenHeadTermsFn:
     """The eager :func:`frozen_head_terms`, or the fused Triton version of the same function."""
     if not fused:

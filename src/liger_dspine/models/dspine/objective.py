@@ -21,6 +21,7 @@ from liger_dspine.models.dspine.blocks import noise_token_ids
 from liger_dspine.models.dspine.blocks import sample_anchor_positions
 from liger_dspine.models.dspine.blocks import teacher_positions
 from liger_dspine.models.dspine.chunking import checkpointed_chunk_reduce
+from liger_dspine.models.dspine.frozen_head_terms import EAGER_FROZEN_HEAD_TERMS
 from liger_dspine.models.dspine.frozen_head_terms import resolve_frozen_head_terms
 from liger_dspine.models.dspine.masks import causal_block_flex_mask
 from liger_dspine.models.dspine.masks import causal_block_mask
@@ -134,10 +135,14 @@ class DSpineObjective(nn.Module):
         self.loss_decay_gamma = DEFAULT_LOSS_DECAY_GAMMA if loss_decay_gamma is None else loss_decay_gamma
         self.objective_chunk_blocks = objective_chunk_blocks
         self.dspine_config = draft_model.dspine_config
-        self.fused_objective = fused_objective
         self.frozen_head_terms = resolve_frozen_head_terms(fused_objective)
         if not bool(draft_model.transfer_ready):
             draft_model.initialize_transfer_space(self.lm_head.weight)
+
+    @property
+    def fused_objective(self) -> bool:
+        """Whether the frozen-head terms run fused: chosen at build time, or set by ``apply_liger_kernel_to_dspine``."""
+        return self.frozen_head_terms is not EAGER_FROZEN_HEAD_TERMS
 
     # ---------------------------------------------------------------------------------------------- chunk functions
     def _ce_terms(self, hidden, labels, weights, supervised):
