@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from liger_dspine.demo import corpus_batches
 from liger_dspine.demo import demo_config
+from liger_dspine.demo import print_comparison
 
 TARGET_LAYER_IDS = [0, 1]  # both layers of the demo target
 MASK_TOKEN_ID = 0  # the NUL byte, never in the corpus
@@ -103,11 +104,4 @@ def run_dspine_demo(steps: int = 8, seed: int = 0) -> int:
     patched_losses = train(patched, target, batches, device, seed, "liger-dspine")
     patched_s = time.perf_counter() - start
 
-    print("\nstep  native loss  liger-dspine loss  |diff|")
-    for step, (a, b) in enumerate(zip(native_losses, patched_losses)):
-        print(f"{step:4d}  {a:11.6f}  {b:17.6f}  {abs(a - b):.2e}")
-    largest = max(abs(a - b) for a, b in zip(native_losses, patched_losses))
-    print(f"\nlargest loss difference: {largest:.2e}")
-    print(f"time: native {native_s:.1f} s, liger-dspine {patched_s:.1f} s ({where})")
-    print(f"\n{report}")
-    return 0 if largest < 1e-3 else 1
+    return print_comparison(native_losses, patched_losses, native_s, patched_s, where, report)
