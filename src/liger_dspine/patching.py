@@ -11,6 +11,9 @@ Replacements are named as ``"package.module:attribute"`` and imported only when 
 ``liger_dspine`` imports no Triton kernel. The engine records every original it replaced: applying twice is a
 no-op, and ``revert`` puts back exactly the objects it found (identity, not reload). Parameter and buffer names
 never change, so a patched model's ``state_dict()`` equals the native one key for key.
+
+A spec may also list ``ModuleCheck``s: what the modules of a model must hold according to its config (submodules,
+tensor shapes). An instance patch runs them before it swaps anything and refuses a model that fails one.
 """
 
 import importlib
@@ -47,11 +50,21 @@ class MethodSwap:
 
 
 @dataclass(frozen=True)
+class ModuleCheck:
+    """What every module of one native class must hold, given the model's config."""
+
+    names: tuple[str, ...]  # candidate global names of the class, newest first (as in ClassSwap)
+    children: tuple[str, ...] = ()  # submodules it must have
+    shapes: tuple[tuple[str, Callable], ...] = ()  # (tensor attribute, config -> its expected shape)
+
+
+@dataclass(frozen=True)
 class PatchSpec:
     model_type: str
     module: str  # the transformers modeling module
     base_classes: tuple[str, ...]  # "module:Class" paths; an instance patch accepts a model of any of them
     swaps: tuple[ClassSwap | MethodSwap, ...]
+    checks: tuple[ModuleCheck, ...] = ()  # run on a model before an instance patch changes it
 
 
 @dataclass
@@ -207,6 +220,7 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             f"liger-dspine: the {spec.model_type} patch needs a {expected} (or a subclass) as `model`, "
             f"got {type(model).__name__}"
         )
+    check_modules(spec, model)
     report = PatchReport(spec.model_type, "instance")
     for swap in _enabled_swaps(spec, options):
         new = load_object(swap.replacement)
@@ -262,6 +276,36 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                     )
                 )
     return report
+
+
+def check_modules(spec: PatchSpec, model: nn.Module) -> None:
+    """Raise ValueError naming every module of ``model`` that disagrees with ``model.config`` (``spec.checks``)."""
+    config = getattr(model, "config", None)
+    problems = []
+    for check in spec.checks:
+        module = importlib.import_module(spec.module)
+        names = [name for name in check.names if name in vars(module)]
+        if not names:
+            continue
+        native = _ORIGINALS.get((module.__name__, names[0]), getattr(module, names[0]))
+        for path, submodule in model.named_modules():
+            if not isinstance(submodule, native):
+                continue
+            where = path or type(model).__name__
+            for child in check.children:
+                if not isinstance(getattr(submodule, child, None), nn.Module):
+                    problems.append(f"{where}.{child} is missing (every {native.__name__} has one)")
+            for attribute, expected_shape in check.shapes:
+                expected = tuple(expected_shape(config))
+                tensor = getattr(submodule, attribute, None)
+                found = None if tensor is None else tuple(tensor.shape)
+                if found != expected:
+                    problems.append(f"{where}.{attribute} has shape {found}; the config implies {expected}")
+    if problems:
+        raise ValueError(
+            f"liger-dspine: this {type(model).__name__} does not match its config, so the {spec.model_type} patch "
+            "would compute with the wrong sizes; nothing was patched:\n  " + "\n  ".join(problems)
+        )
 
 
 def _convert(module: nn.Module, new: type) -> None:

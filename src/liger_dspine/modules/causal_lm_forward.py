@@ -7,6 +7,19 @@ labels) logits are computed as transformers computes them.
 ``ce_forward``: logits as usual, loss from Liger's cross-entropy kernel (the ``cross_entropy=True`` option).
 
 Both return the native output class extended with ``token_accuracy``; ``return_dict=False`` gives its tuple.
+
+Checked before the decoder runs (a ``ValueError`` instead of a device-side assert or an out-of-bounds read in a
+kernel): every label is in ``[0, vocab)`` or ``-100``. This costs one pass over the labels and one device-to-host
+copy of two integers (liger-kernel's fused linear cross entropy synchronises once per call anyway).
+
+Loss: the sum of the token losses divided by ``num_items_in_batch`` when given, else by the number of targets
+that are not ignored; a divisor of 0 counts as 1. Deliberate difference from transformers: when every target is
+ignored (a micro-batch of padding, or prompt-only samples) the loss is 0 and every gradient is 0, in all paths,
+where the native forward returns NaN (and, with ``num_items_in_batch=0``, liger-kernel's fused loss gives NaN
+gradients). ``token_accuracy`` is then NaN: there is no token to score.
+
+The fused loss reads ``lm_head.weight`` directly. Under FSDP2, shard ``lm_head`` with its parent (the root's
+pre-forward gathers it); a separately sharded ``lm_head`` is a ``ValueError`` (use ``skip_logits=False`` there).
 """
 
 from dataclasses import dataclass
@@ -42,6 +55,8 @@ def lce_forward(
     skip_logits=None,
     **kwargs,
 ):
+    """``DeepseekV3ForCausalLM.forward`` with the fused linear cross-entropy loss in training (see the module
+    docstring: label checks, and a loss of 0 instead of NaN when every label is ignored)."""
     return _causal_lm_forward(
         self,
         input_ids,
@@ -103,6 +118,12 @@ def _causal_lm_forward(
     has_labels = labels is not None or shift_labels is not None
     if skip_logits and not has_labels:
         raise ValueError("skip_logits=True needs labels or shift_labels: without them there is no loss to compute")
+    if has_labels:
+        _check_label_range(labels if shift_labels is None else shift_labels, self.lm_head.weight.shape[0])
+    if skip_logits is None:
+        skip_logits = fused and self.training and has_labels
+    if skip_logits:
+        _check_head_is_gathered(self.lm_head.weight)
 
     outputs = self.model(
         input_ids=input_ids,
@@ -114,15 +135,12 @@ def _causal_lm_forward(
     )
     hidden_states = _keep_positions(outputs.last_hidden_state, logits_to_keep)
 
-    if skip_logits is None:
-        skip_logits = fused and self.training and has_labels
-
     loss = logits = token_accuracy = None
-    num_items_in_batch = kwargs.get("num_items_in_batch")
     if has_labels:
         targets = _shifted_targets(labels, shift_labels, hidden_states)
+        divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"))
     if skip_logits:
-        loss, token_accuracy = _fused_linear_ce(hidden_states, self.lm_head.weight, targets, num_items_in_batch)
+        loss, token_accuracy = _fused_linear_ce(hidden_states, self.lm_head.weight, targets, divisor)
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:
@@ -132,10 +150,10 @@ def _causal_lm_forward(
                     labels=labels,
                     shift_labels=None if shift_labels is None else shift_labels.contiguous(),  # the loss views it
                     vocab_size=self.config.vocab_size,
-                    **kwargs,
+                    **{**kwargs, "num_items_in_batch": divisor},  # sum / divisor
                 )
             else:
-                loss = _liger_ce(logits, targets, num_items_in_batch)
+                loss = _liger_ce(logits, targets, divisor)
 
     output = LigerCausalLMOutputWithPast(loss=loss, logits=logits, token_accuracy=token_accuracy)
     for f in fields(output):
@@ -165,33 +183,69 @@ def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
     return shift_labels.reshape(-1).to(hidden_states.device)
 
 
-def _fused_linear_ce(hidden_states, weight, targets, num_items_in_batch):
+def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError if a label is neither in ``[0, vocab_size)`` nor ``IGNORE_INDEX``."""
+    if labels.numel() == 0:
+        return
+    kept = labels != IGNORE_INDEX
+    low, high = torch.stack(torch.where(kept, labels, 0).aminmax()).tolist()  # the one host sync
+    if low >= 0 and high < vocab_size:
+        return
+    bad = labels[kept & ((labels < 0) | (labels >= vocab_size))]
+    raise ValueError(
+        f"labels must be in [0, {vocab_size}) (the vocabulary of lm_head) or {IGNORE_INDEX} (ignored); "
+        f"{bad.numel()} label(s) are outside, with values from {bad.min().item()} to {bad.max().item()}"
+    )
+
+
+def _check_head_is_gathered(weight: torch.Tensor) -> None:
+    """The fused loss reads ``lm_head.weight`` without calling ``lm_head``: a sharded weight must be whole by now."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return
+    if isinstance(weight, DTensor):
+        raise ValueError(
+            "lm_head.weight is a sharded DTensor inside the forward: the fused linear cross entropy reads the weight "
+            "without calling lm_head, so a separately sharded lm_head (FSDP2 fully_shard(model.lm_head), or tensor "
+            "parallel) is never gathered for it. Shard lm_head together with its parent (fully_shard(model) without "
+            "its own fully_shard), or pass skip_logits=False to compute the loss from logits"
+        )
+
+
+def _loss_divisor(targets: torch.Tensor, num_items_in_batch) -> torch.Tensor | int:
+    """``num_items_in_batch``, or the count of targets not ignored, as the loss divisor; at least 1, no host sync."""
+    if num_items_in_batch is None:
+        return (targets != IGNORE_INDEX).sum().clamp(min=1)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.clamp(min=1)
+    return max(num_items_in_batch, 1)
+
+
+def _fused_linear_ce(hidden_states, weight, targets, divisor):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
-    reduction = "sum" if num_items_in_batch is not None else "mean"
     result = liger_fused_linear_cross_entropy(
         hidden_states.reshape(-1, hidden_states.shape[-1]),
         weight,
         targets,
         ignore_index=IGNORE_INDEX,
-        reduction=reduction,
+        reduction="sum",
         return_token_accuracy=True,
     )
-    loss, token_accuracy = result.loss, result.token_accuracy
-    if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
-    return loss, token_accuracy
+    return result.loss / _on(divisor, result.loss), result.token_accuracy
 
 
-def _liger_ce(logits, targets, num_items_in_batch):
+def _liger_ce(logits, targets, divisor):
     from liger_kernel.transformers.functional import liger_cross_entropy
 
     check_kernel_device(logits, "Liger cross entropy")
-    reduction = "sum" if num_items_in_batch is not None else "mean"
     # The kernel writes the gradient into its input: give it an fp32 copy, never the logits returned to the caller.
     logits_fp32 = logits.reshape(-1, logits.shape[-1]).to(torch.float32, copy=True)
-    loss = liger_cross_entropy(logits_fp32, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
-    if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
-    return loss
+    loss = liger_cross_entropy(logits_fp32, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss / _on(divisor, loss)
+
+
+def _on(divisor, like: torch.Tensor):
+    return divisor.to(like.device) if isinstance(divisor, torch.Tensor) else divisor

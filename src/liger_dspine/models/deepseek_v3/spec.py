@@ -2,9 +2,29 @@
 
 from liger_dspine.patching import ClassSwap
 from liger_dspine.patching import MethodSwap
+from liger_dspine.patching import ModuleCheck
 from liger_dspine.patching import PatchSpec
 
 MODELING = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+
+# What the routing kernel and the experts read must agree with the config (E experts, hidden H, expert width I).
+MOE_CHECKS = (
+    ModuleCheck(("DeepseekV3MoE",), children=("gate", "experts", "shared_experts")),
+    ModuleCheck(
+        ("DeepseekV3TopkRouter",),
+        shapes=(
+            ("weight", lambda c: (c.n_routed_experts, c.hidden_size)),
+            ("e_score_correction_bias", lambda c: (c.n_routed_experts,)),
+        ),
+    ),
+    ModuleCheck(
+        ("DeepseekV3Experts", "DeepseekV3NaiveMoe"),
+        shapes=(
+            ("gate_up_proj", lambda c: (c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)),
+            ("down_proj", lambda c: (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)),
+        ),
+    ),
+)
 
 DEEPSEEK_V3_SPEC = PatchSpec(
     model_type="deepseek_v3",
@@ -46,4 +66,5 @@ DEEPSEEK_V3_SPEC = PatchSpec(
             "cross_entropy", "DeepseekV3ForCausalLM", "forward", "liger_dspine.modules.causal_lm_forward:ce_forward"
         ),
     ),
+    checks=MOE_CHECKS,
 )
