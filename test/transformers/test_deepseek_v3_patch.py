@@ -26,6 +26,7 @@ from liger_dspine.models.deepseek_v3.router import LigerDeepseekV3TopkRouter
 from liger_dspine.models.deepseek_v3.router import liger_route_tokens_to_experts
 from liger_dspine.modules.causal_lm_forward import ce_forward
 from liger_dspine.modules.causal_lm_forward import lce_forward
+from liger_dspine.modules.causal_lm_forward import lce_forward_vocab_chunked
 from liger_dspine.modules.experts import LigerFusedExperts
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
@@ -68,6 +69,7 @@ OPTION_CASES = {
     "no_swiglu": {"swiglu": False},
     "fused_experts": {"fused_experts": True},
     "fused_experts_without_swiglu": {"swiglu": False, "fused_experts": True},
+    "vocab_chunked_lce": {"vocab_chunked_lce": True},
     "no_moe_router": {"moe_router": False},
     "no_rope": {"rope": False},
     "no_loss_forward": {"fused_linear_cross_entropy": False},
@@ -129,7 +131,7 @@ def expected_changed_globals(options: dict) -> set[str]:
 
 def expected_forward(options: dict):
     if options["fused_linear_cross_entropy"]:
-        return lce_forward
+        return lce_forward_vocab_chunked if options["vocab_chunked_lce"] else lce_forward
     if options["cross_entropy"]:
         return ce_forward
     return NATIVE_FORWARD
@@ -390,7 +392,7 @@ parameters = inspect.signature(liger_dspine.apply_liger_kernel_to_deepseek_v3).p
 options = [name for name, p in parameters.items() if isinstance(p.default, bool)]
 messages = {"cuda": torch.cuda.is_available()}
 for enabled in options:  # one kernel family at a time
-    if enabled == "fused_experts":  # acts only together with swiglu: the routed_experts case below
+    if enabled in ("fused_experts", "vocab_chunked_lce"):  # act only with swiglu / fused_linear_cross_entropy
         continue
     model = build_model(config)
     liger_dspine.apply_liger_kernel_to_instance(model, **{name: name == enabled for name in options})

@@ -13,6 +13,7 @@ import torch
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
 from liger_dspine.modules.causal_lm_forward import ce_forward
 from liger_dspine.modules.causal_lm_forward import lce_forward
+from liger_dspine.modules.causal_lm_forward import lce_forward_vocab_chunked
 from tiny_models import IGNORE_INDEX
 from tiny_models import assert_grads_close
 from tiny_models import build_model
@@ -35,12 +36,27 @@ def native(native_model):
     return copy.deepcopy(native_model)
 
 
-@pytest.fixture
-def lce(native_model):
+def fused_loss_model(native_model, vocab_chunked: bool):
+    """The fused loss forward: liger-kernel's (token chunks) or this package's vocabulary-chunked one."""
     model = copy.deepcopy(native_model)
-    apply_liger_kernel_to_deepseek_v3(model=model, **ONLY_LOSS_FORWARD)
-    assert model.forward.__func__ is lce_forward
+    apply_liger_kernel_to_deepseek_v3(model=model, vocab_chunked_lce=vocab_chunked, **ONLY_LOSS_FORWARD)
+    assert model.forward.__func__ is (lce_forward_vocab_chunked if vocab_chunked else lce_forward)
     return model
+
+
+@pytest.fixture(params=[False, True], ids=["token_chunks", "vocab_chunks"])
+def lce(native_model, request):
+    return fused_loss_model(native_model, request.param)
+
+
+@pytest.fixture
+def lce_tokens(native_model):
+    return fused_loss_model(native_model, False)
+
+
+@pytest.fixture
+def lce_vocab(native_model):
+    return fused_loss_model(native_model, True)
 
 
 @pytest.fixture
@@ -165,7 +181,7 @@ def test_labels_not_matching_kept_positions_are_an_error(lce, batch):
         lce.train()(input_ids, labels=labels, logits_to_keep=2)
 
 
-@pytest.mark.parametrize("variant", ["lce", "ce"])
+@pytest.mark.parametrize("variant", ["lce_tokens", "lce_vocab", "ce"])
 def test_gradient_accumulation_with_num_items_in_batch(request, native, batch, variant):
     """Two micro-batches, each loss divided by the token count of both: their sum and summed gradients equal
     one forward over the whole batch, and each micro-batch loss equals the native one."""
@@ -202,7 +218,7 @@ def test_return_dict_false_gives_a_tuple(native, lce, batch):
     torch.testing.assert_close(evaluation[0], native_logits, **FP32)
 
 
-@pytest.mark.parametrize("variant", ["lce", "ce"])
+@pytest.mark.parametrize("variant", ["lce_tokens", "lce_vocab", "ce"])
 def test_shift_labels_give_the_loss_of_labels(request, native, batch, variant):
     model = request.getfixturevalue(variant).train()
     input_ids, labels = batch

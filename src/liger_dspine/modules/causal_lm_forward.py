@@ -72,6 +72,36 @@ def lce_forward(
     )
 
 
+def lce_forward_vocab_chunked(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    skip_logits=None,
+    **kwargs,
+):
+    """``lce_forward`` whose fused loss chunks over the vocabulary (``ops/linear_cross_entropy.py``): no lm_head
+    gradient buffer is held from forward to backward, and each gradient element is rounded once."""
+    return _causal_lm_forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        inputs_embeds,
+        labels,
+        use_cache,
+        logits_to_keep,
+        skip_logits,
+        fused=True,
+        vocab_chunked=True,
+        **kwargs,
+    )
+
+
 def ce_forward(
     self,
     input_ids=None,
@@ -109,6 +139,7 @@ def _causal_lm_forward(
     logits_to_keep,
     skip_logits,
     fused,
+    vocab_chunked=False,
     **kwargs,
 ):
     return_dict = kwargs.pop("return_dict", None)
@@ -140,7 +171,8 @@ def _causal_lm_forward(
         targets = _shifted_targets(labels, shift_labels, hidden_states)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"))
     if skip_logits:
-        loss, token_accuracy = _fused_linear_ce(hidden_states, self.lm_head.weight, targets, divisor)
+        fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
+        loss, token_accuracy = fused_loss(hidden_states, self.lm_head.weight, targets, divisor)
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:
@@ -235,6 +267,21 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
         return_token_accuracy=True,
     )
     return result.loss / _on(divisor, result.loss), result.token_accuracy
+
+
+def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor):
+    from liger_dspine.ops.linear_cross_entropy import vocab_chunked_linear_cross_entropy
+
+    check_kernel_device(hidden_states, "vocab-chunked linear cross entropy")
+    loss, token_accuracy = vocab_chunked_linear_cross_entropy(
+        hidden_states.reshape(-1, hidden_states.shape[-1]),
+        weight,
+        targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        return_token_accuracy=True,
+    )
+    return loss / _on(divisor, loss), token_accuracy
 
 
 def _liger_ce(logits, targets, divisor):

@@ -13,6 +13,7 @@ def apply_liger_kernel_to_deepseek_v3(
     *,
     moe_router: bool = True,
     fused_experts: bool = False,
+    vocab_chunked_lce: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
@@ -31,6 +32,9 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels.
             Default False: transformers' own experts (``grouped_mm`` on GPU) measured faster on the H200 at the
             benchmark shapes, and start without an autotuning pass.
+        vocab_chunked_lce: (keyword-only) with ``fused_linear_cross_entropy``, a fused linear cross entropy that
+            chunks over the vocabulary instead of the tokens: it holds no lm_head gradient buffer from forward to
+            backward and rounds each gradient element once, for one extra logits GEMM.
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 
@@ -43,7 +47,8 @@ def apply_liger_kernel_to_deepseek_v3(
     options = dict(
         rope=rope,
         cross_entropy=cross_entropy,
-        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy and not vocab_chunked_lce,
+        vocab_chunked_lce=fused_linear_cross_entropy and vocab_chunked_lce,
         rms_norm=rms_norm,
         swiglu=swiglu,
         moe_router=moe_router,

@@ -63,6 +63,12 @@ DEEPSEEK_V3_SPEC = PatchSpec(
             "liger_dspine.modules.causal_lm_forward:lce_forward",
         ),
         MethodSwap(
+            "vocab_chunked_lce",
+            "DeepseekV3ForCausalLM",
+            "forward",
+            "liger_dspine.modules.causal_lm_forward:lce_forward_vocab_chunked",
+        ),
+        MethodSwap(
             "cross_entropy", "DeepseekV3ForCausalLM", "forward", "liger_dspine.modules.causal_lm_forward:ce_forward"
         ),
     ),
