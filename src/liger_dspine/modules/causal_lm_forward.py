@@ -43,89 +43,63 @@ class LigerCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     token_accuracy: torch.Tensor | None = None
 
 
-def lce_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    skip_logits=None,
-    **kwargs,
-):
-    """``DeepseekV3ForCausalLM.forward`` with the fused linear cross-entropy loss in training (see the module
-    docstring: label checks, and a loss of 0 instead of NaN when every label is ignored)."""
-    return _causal_lm_forward(
+def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str):
+    """A ``ForCausalLM.forward`` replacement whose loss path is fixed by ``fused`` / ``vocab_chunked``."""
+
+    def forward(
         self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        inputs_embeds,
-        labels,
-        use_cache,
-        logits_to_keep,
-        skip_logits,
-        fused=True,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        skip_logits=None,
         **kwargs,
-    )
+    ):
+        if not fused and skip_logits:
+            raise ValueError("skip_logits=True needs the fused loss; this forward computes the loss from logits")
+        return _causal_lm_forward(
+            self,
+            input_ids,
+            attention_mask,
+            position_ids,
+            inputs_embeds,
+            labels,
+            use_cache,
+            logits_to_keep,
+            skip_logits if fused else False,
+            fused=fused,
+            vocab_chunked=vocab_chunked,
+            **kwargs,
+        )
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = doc
+    return forward
 
 
-def lce_forward_vocab_chunked(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    skip_logits=None,
-    **kwargs,
-):
-    """``lce_forward`` whose fused loss chunks over the vocabulary (``ops/linear_cross_entropy.py``): no lm_head
-    gradient buffer is held from forward to backward, and each gradient element is rounded once."""
-    return _causal_lm_forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        inputs_embeds,
-        labels,
-        use_cache,
-        logits_to_keep,
-        skip_logits,
-        fused=True,
-        vocab_chunked=True,
-        **kwargs,
-    )
-
-
-def ce_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    **kwargs,
-):
-    return _causal_lm_forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        inputs_embeds,
-        labels,
-        use_cache,
-        logits_to_keep,
-        skip_logits=False,
-        fused=False,
-        **kwargs,
-    )
+lce_forward = _loss_forward(
+    "lce_forward",
+    fused=True,
+    vocab_chunked=False,
+    doc="""``DeepseekV3ForCausalLM.forward`` with liger-kernel's fused linear cross-entropy loss in training (see the
+    module docstring: label checks, and a loss of 0 instead of NaN when every label is ignored).""",
+)
+lce_forward_vocab_chunked = _loss_forward(
+    "lce_forward_vocab_chunked",
+    fused=True,
+    vocab_chunked=True,
+    doc="""``lce_forward`` whose fused loss chunks over the vocabulary (``ops/linear_cross_entropy.py``): no lm_head
+    gradient buffer is held from forward to backward, and each gradient element is rounded once.""",
+)
+ce_forward = _loss_forward(
+    "ce_forward",
+    fused=False,
+    vocab_chunked=False,
+    doc="""``DeepseekV3ForCausalLM.forward`` with logits as usual and the loss from Liger's cross-entropy kernel.""",
+)
 
 
 def _causal_lm_forward(
