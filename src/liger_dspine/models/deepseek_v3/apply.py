@@ -30,8 +30,9 @@ def apply_liger_kernel_to_deepseek_v3(
         moe_router: (keyword-only) DeepSeek-V3's sigmoid + grouped top-k routing in one Triton kernel, with a
             router-logit GEMM that keeps no fp32 copy of the hidden states for backward.
         fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels.
-            Default False: transformers' own experts (``grouped_mm`` on GPU) measured faster on the H200 at the
-            benchmark shapes, and start without an autotuning pass.
+            Default False: transformers' own experts (``grouped_mm`` on GPU) took about 27 ms against 43 ms for
+            liger-kernel's untuned fused MoE in a profiled H200 step (8 layers, 4096 tokens), and start without an
+            autotuning pass.
         vocab_chunked_lce: (keyword-only) with ``fused_linear_cross_entropy``, a fused linear cross entropy that
             chunks over the vocabulary instead of the tokens: it holds no lm_head gradient buffer from forward to
             backward and rounds each gradient element once, for one extra logits GEMM.
