@@ -153,8 +153,11 @@ def _resolve_class_global(spec: PatchSpec, swap: ClassSwap):
 def native_class(spec: PatchSpec, swap: ClassSwap):
     """The class a swap replaces, as transformers defines it (even after a class-level patch)."""
     module, name = _resolve_class_global(spec, swap)
-    if name is None:
-        return None
+    return None if name is None else _original(module, name)
+
+
+def _original(module, name: str):
+    """``module.name`` as it was before any class-level swap of this package."""
     return _ORIGINALS.get((module.__name__, name), getattr(module, name))
 
 
@@ -238,16 +241,7 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                 elif isinstance(module, old):
                     _convert(module, new)
                     converted += 1
-            if converted or already:
-                report.replacements.append(
-                    Replacement(
-                        f"{old.__name__} modules",
-                        qualified_name(old),
-                        qualified_name(new),
-                        converted or already,
-                        already=not converted,
-                    )
-                )
+            _record_conversions(report, f"{old.__name__} modules", old, new, converted, already)
         else:
             owner = getattr(importlib.import_module(swap.module or spec.module), swap.owner)
             if swap.method not in vars(owner):
@@ -264,17 +258,8 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                     continue
                 setattr(instance, swap.method, MethodType(new, instance))
                 converted += 1
-            if converted or already:
-                old = vars(owner)[swap.method]
-                report.replacements.append(
-                    Replacement(
-                        f"{swap.owner}.{swap.method} of the instance",
-                        qualified_name(old),
-                        qualified_name(new),
-                        converted or already,
-                        already=not converted,
-                    )
-                )
+            target = f"{swap.owner}.{swap.method} of the instance"
+            _record_conversions(report, target, vars(owner)[swap.method], new, converted, already)
     return report
 
 
@@ -282,12 +267,12 @@ def check_modules(spec: PatchSpec, model: nn.Module) -> None:
     """Raise ValueError naming every module of ``model`` that disagrees with ``model.config`` (``spec.checks``)."""
     config = getattr(model, "config", None)
     problems = []
+    module = importlib.import_module(spec.module)
     for check in spec.checks:
-        module = importlib.import_module(spec.module)
         names = [name for name in check.names if name in vars(module)]
         if not names:
             continue
-        native = _ORIGINALS.get((module.__name__, names[0]), getattr(module, names[0]))
+        native = _original(module, names[0])
         for path, submodule in model.named_modules():
             if not isinstance(submodule, native):
                 continue
@@ -330,13 +315,12 @@ def _rebind_held_references(model: nn.Module, old, new, report: PatchReport) -> 
                 converted += 1
             elif value is new:
                 already += 1
+    _record_conversions(report, f"{old.__name__} references", old, new, converted, already)
+
+
+def _record_conversions(report: PatchReport, target: str, old, new, converted: int, already: int) -> None:
+    """One report line for an instance swap; "already patched" when nothing had to change."""
     if converted or already:
         report.replacements.append(
-            Replacement(
-                f"{old.__name__} references",
-                qualified_name(old),
-                qualified_name(new),
-                converted or already,
-                already=not converted,
-            )
+            Replacement(target, qualified_name(old), qualified_name(new), converted or already, already=not converted)
         )
