@@ -14,7 +14,8 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
 }
 
 
-def _lookup(model_type: str):
+def apply_fn_for(model_type: str):
+    """The apply function of ``model_type``; a ValueError listing the supported types when there is none."""
     try:
         return MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
     except KeyError:
@@ -24,7 +25,7 @@ def _lookup(model_type: str):
 
 def apply_liger_kernel(model_type: str, **options):
     """Class-level patch for ``model_type``; an option the patch function does not take is a TypeError."""
-    fn = _lookup(model_type)
+    fn = apply_fn_for(model_type)
     check_options(fn, options)
     if "model" in options:
         raise TypeError("apply_liger_kernel() patches classes; use apply_liger_kernel_to_instance(model) for a model")
@@ -41,7 +42,7 @@ def model_type_of(model) -> str:
 
 def apply_liger_kernel_to_instance(model, **options):
     """Patch one built model, chosen by ``model.config.model_type``."""
-    fn = _lookup(model_type_of(model))
+    fn = apply_fn_for(model_type_of(model))
     check_options(fn, options)
     if "model" in options:
         raise TypeError("apply_liger_kernel_to_instance() takes the model as its first argument, not as an option")
