@@ -45,6 +45,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.models.dspine.frozen_head_terms import FrozenHeadTerms
+from liger_dspine.ops.gemm_dtype import gemm_dtype
 
 IGNORE_INDEX = -100
 _MAX_BLOCK_V = 4096
@@ -176,19 +177,6 @@ def _block_v(vocab_size: int) -> int:
     return min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_size))
 
 
-def _compute_dtype(draft_hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.dtype:
-    """The GEMM dtype ``F.linear(draft_hidden, head_weight)`` would use (autocast's when it is on)."""
-    device_type = draft_hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    if draft_hidden.dtype != head_weight.dtype:
-        raise ValueError(
-            f"frozen head terms: draft rows are {draft_hidden.dtype} and the head is {head_weight.dtype}; "
-            "outside autocast they must match"
-        )
-    return draft_hidden.dtype
-
-
 def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[C, H] x [V, H] -> [C, V] contiguous logits in the weight's dtype."""
     return F.linear(rows.to(weight.dtype), weight).contiguous()
@@ -207,7 +195,7 @@ class FusedFrozenHeadTermsFunction(torch.autograd.Function):
         vocab_size = head_weight.shape[0]
         has_teacher = teacher_hidden is not None
         device = draft_hidden.device
-        dtype = _compute_dtype(draft_hidden, head_weight)
+        dtype = gemm_dtype(draft_hidden, head_weight, "frozen head terms")
         ce = torch.empty(rows, dtype=torch.float32, device=device)
         correct = torch.empty(rows, dtype=torch.int8, device=device)
         draft_lse = torch.empty_like(ce)

@@ -48,6 +48,7 @@ import triton.language as tl
 from packaging.version import Version
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.gemm_dtype import gemm_dtype
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_BYTES = 512 * 2**20
@@ -131,19 +132,6 @@ def default_vocab_chunk(tokens: int, vocab_size: int, chunk_bytes: int = DEFAULT
     return min(max(power, MIN_VOCAB_CHUNK), vocab_size)
 
 
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The GEMM dtype ``F.linear(hidden, weight)`` would use (autocast's when it is on)."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    if hidden.dtype != weight.dtype:
-        raise ValueError(
-            f"linear cross entropy: hidden is {hidden.dtype} and weight is {weight.dtype}; outside autocast they "
-            "must match"
-        )
-    return hidden.dtype
-
-
 def _vocab_chunks(vocab_size: int, vocab_chunk: int):
     for start in range(0, vocab_size, vocab_chunk):
         yield start, min(start + vocab_chunk, vocab_size)
@@ -180,7 +168,7 @@ class VocabChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, ignore_index, reduction, track_argmax, vocab_chunk):
         tokens, vocab_size = hidden.shape[0], weight.shape[0]
         device = hidden.device
-        dtype = _compute_dtype(hidden, weight)
+        dtype = gemm_dtype(hidden, weight, "linear cross entropy")
         row_max = torch.full((tokens,), float("-inf"), dtype=torch.float32, device=device)
         row_sumexp = torch.zeros(tokens, dtype=torch.float32, device=device)
         target_logit = torch.zeros(tokens, dtype=torch.float32, device=device)
