@@ -26,10 +26,6 @@ HOW_TO_ENABLE = (
 )
 
 
-def is_enabled() -> bool:
-    return _enabled
-
-
 def enable_from_environment() -> None:
     if os.environ.get(ENV_FLAG, "").strip().lower() in ("1", "true", "yes", "on"):
         enable_cpu_interpreter()
