@@ -36,6 +36,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--options", default="{}")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--no-time", action="store_true", help="memory only: skip the profiled step")
     args = parser.parse_args()
 
     import torch
@@ -69,9 +70,20 @@ def main() -> int:
             saved[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
         return t
 
+    torch.cuda.reset_peak_memory_stats()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    after_forward, forward_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     loss.backward()
+    torch.cuda.synchronize()
+    backward_peak = torch.cuda.max_memory_allocated()
+    gib = 2**30
+    print(
+        f"\n## memory ({args.impl} {args.layers}L/{args.seq}): forward peak {forward_peak / gib:.2f} GiB, "
+        f"after forward {after_forward / gib:.2f} GiB, backward peak {backward_peak / gib:.2f} GiB"
+    )
     for p in model.parameters():
         p.grad = None
     total = sum(saved.values())
@@ -79,6 +91,8 @@ def main() -> int:
     for (shape, dtype), nbytes in saved.most_common(args.top):
         print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
 
+    if args.no_time:
+        return 0
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
