@@ -137,7 +137,8 @@ def test_mla_query_matches_split_rope_cat(device, layout, nope):
 
     query = liger_mla_query(q_view, cos, sin, rope_dim)
     ref = _native_query(q_view, cos, sin, rope_dim)
-    assert query.is_contiguous() and query.shape == ref.shape
+    assert query.shape == ref.shape
+    assert query.transpose(1, 2).is_contiguous()  # stored [B, S, H, D]: attention output reshapes without a copy
     torch.testing.assert_close(query, ref, **FP32)
 
     grad = torch.randn_like(ref)
@@ -158,7 +159,8 @@ def test_mla_key_matches_expand_kv(device, rotate):
 
     key, value = liger_mla_key(kv, k_rot, cos, sin, nope)
     ref_key, ref_value = _native_key(kv, k_rot, cos, sin, nope)
-    assert key.is_contiguous()
+    assert key.transpose(1, 2).is_contiguous() and value.transpose(1, 2).is_contiguous()
+    assert value.untyped_storage().data_ptr() != kv.untyped_storage().data_ptr()  # kv_b output not held by value
     torch.testing.assert_close(key, ref_key, **FP32)
     assert torch.equal(value, ref_value)
 
@@ -400,3 +402,20 @@ def test_model_with_liger_attention_matches_native(device):
     for (name, p), q in zip(native.named_parameters(), liger.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, **FP32, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_output_reaches_o_proj_without_a_copy(dtype):
+    """Flash / cuDNN attention keep the [B, S, H, D] memory of the assembled query: the output then reshapes to
+    [B, S, H * D] as a view, so o_proj saves the attention output itself and no copy of it."""
+    batch, heads, seq_len, nope, v_dim, rope_dim, lora = 1, 8, 256, 128, 128, 64, 64
+    cos, sin = _cos_sin(rope_dim, _position_ids("contiguous", batch, seq_len), "cuda")
+    q_states = torch.randn(batch, seq_len, heads * (nope + rope_dim), device="cuda", dtype=dtype)
+    kv = torch.randn(batch, seq_len, heads * (nope + v_dim), device="cuda", dtype=dtype)
+    k_rot = torch.randn(batch, 1, seq_len, rope_dim, device="cuda", dtype=dtype)
+    query = liger_mla_query(q_states.view(batch, seq_len, heads, -1).transpose(1, 2), cos, sin, rope_dim)
+    key, value = liger_mla_key(kv.view(batch, seq_len, heads, -1).transpose(1, 2), k_rot, cos, sin, nope)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
+    flat = out.transpose(1, 2).reshape(batch, seq_len, -1)
+    assert flat.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()

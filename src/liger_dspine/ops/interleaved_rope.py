@@ -15,12 +15,17 @@ Three entry points, each one ``torch.autograd.Function`` built on one kernel:
 
 - :func:`liger_interleaved_rope` (and :func:`liger_interleaved_rope_single`): transformers' function as is.
 - :func:`liger_mla_query`: ``q_states [B, H, S, nope + R]`` (usually a transposed view of the projection) to the
-  contiguous query ``[B, H, S, nope + R]`` with the rope part turned: replaces the split, the RoPE and
+  query ``[B, H, S, nope + R]`` with the rope part turned: replaces the split, the RoPE and
   ``torch.cat((q_pass, q_rot))``. The backward writes the gradient of ``q_states`` in one pass.
 - :func:`liger_mla_key`: ``kv [B, H, S, nope + V]`` (the ``kv_b_proj`` output viewed per head) and the shared
-  ``k_rot [B, 1, S, R]`` to the contiguous key ``[B, H, S, nope + R]`` (rotating ``k_rot`` on the way, or not
-  when it comes out of a cache already turned) and the value view ``kv[..., nope:]``. The backward writes the
-  gradient of ``kv`` (key and value parts) in one pass and sums the rope gradient over heads.
+  ``k_rot [B, 1, S, R]`` to the key ``[B, H, S, nope + R]`` (rotating ``k_rot`` on the way, or not when it comes
+  out of a cache already turned) and a copy of the value ``kv[..., nope:]``, so that the ``kv_b_proj`` output is
+  freed instead of living until the attention backward through a value view. The backward writes the gradient of
+  ``kv`` (key and value parts) in one pass and sums the rope gradient over heads.
+
+The query, key and value are ``[B, H, S, D]`` views of ``[B, S, H, D]`` memory: flash and cuDNN attention then
+give their output in ``[B, S, H, D]`` memory, which ``o_proj`` reads as ``[B, S, H * D]`` without a copy and
+without a second saved tensor.
 """
 
 import torch
@@ -271,6 +276,12 @@ def _launch(
     )
 
 
+def _heads_view(batch: int, heads: int, seq_len: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    """A new [B, H, S, D] tensor stored position-major ([B, S, H, D] memory), the layout attention kernels keep for
+    their output: the attention output then reshapes to [B, S, H * D] for ``o_proj`` without a copy."""
+    return torch.empty((batch, seq_len, heads, width), dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
 def _empty_like_layout(shape, strides, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
 
@@ -339,7 +350,7 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
 
 
 class LigerMLAQueryFunction(torch.autograd.Function):
-    """q_states [B, H, S, nope + R] -> query [B, H, S, nope + R] (contiguous), rope part turned."""
+    """q_states [B, H, S, nope + R] -> query [B, H, S, nope + R] ([B, S, H, D] memory), rope part turned."""
 
     @staticmethod
     def forward(ctx, q_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -351,7 +362,7 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         q_states = _last_dim_unit(q_states)
         cos = _angles(cos, batch, seq_len, rope_dim // 2)
         sin = _angles(sin, batch, seq_len, rope_dim // 2)
-        query = torch.empty((batch, heads, seq_len, width), dtype=q_states.dtype, device=q_states.device)
+        query = _heads_view(batch, heads, seq_len, width, q_states)
         _launch(
             batch=batch,
             seq_len=seq_len,
@@ -394,7 +405,9 @@ class LigerMLAQueryFunction(torch.autograd.Function):
 
 
 class LigerMLAKeyFunction(torch.autograd.Function):
-    """kv [B, H, S, nope + V], k_rot [B, 1, S, R] -> key [B, H, S, nope + R] (contiguous), value = kv[..., nope:].
+    """kv [B, H, S, nope + V], k_rot [B, 1, S, R] -> key [B, H, S, nope + R], value [B, H, S, V] (copied).
+
+    Both outputs are stored as [B, S, H, D].
 
     ``cos``/``sin`` None: ``k_rot`` is already turned (read back from a cache) and is only broadcast.
     """
@@ -413,13 +426,16 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         if cos is not None:
             cos = _angles(cos, batch, seq_len, rope_dim // 2)
             sin = _angles(sin, batch, seq_len, rope_dim // 2)
-        key = torch.empty((batch, heads, seq_len, nope_dim + rope_dim), dtype=kv.dtype, device=kv.device)
+        key = _heads_view(batch, heads, seq_len, nope_dim + rope_dim, kv)
+        value = _heads_view(batch, heads, seq_len, width - nope_dim, kv)
         _launch(
             batch=batch,
             seq_len=seq_len,
             num_heads=heads,
             pass_src=kv[..., :nope_dim],
             pass_dst=key[..., :nope_dim],
+            extra_src=kv[..., nope_dim:],
+            extra_dst=value,
             rot_src=k_rot,
             rot_dst=key[..., nope_dim:],
             cos=cos,
@@ -433,7 +449,7 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         ctx.nope = nope_dim
         ctx.kv_layout = _dense_layout(kv)
         ctx.k_rot_layout = _dense_layout(k_rot)
-        return key, kv[..., nope_dim:]
+        return key, value
 
     @staticmethod
     def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
@@ -483,7 +499,8 @@ def liger_mla_query(q_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """MLA query assembly: ``cat((q_pass, rope(q_rot)), -1)`` in one pass.
 
     q_states: [B, H, S, nope + rope_dim] (any strides, typically ``q_proj(x).view(B, S, H, D).transpose(1, 2)``);
-    its last ``rope_dim`` columns are interleaved rope pairs. Returns the contiguous query [B, H, S, nope + rope_dim].
+    its last ``rope_dim`` columns are interleaved rope pairs. Returns the query [B, H, S, nope + rope_dim], stored
+    as [B, S, H, D].
     """
     _check_constant_angles(cos, sin)
     return LigerMLAQueryFunction.apply(q_states, cos, sin, rope_dim)
@@ -496,11 +513,11 @@ def liger_mla_key(
     sin: torch.Tensor | None,
     nope_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA key assembly: ``key = cat((kv[..., :nope_dim], rope(k_rot).expand(H)), -1)``, ``value = kv[..., nope_dim:]``.
+    """MLA key assembly: ``key = cat((kv[..., :nope_dim], rope(k_rot).expand(H)), -1)``, ``value = kv[..., nope_dim:]`` (copied).
 
     kv: [B, H, S, nope_dim + V] (any strides, typically ``kv_b_proj(latent).view(B, S, H, -1).transpose(1, 2)``),
     k_rot: [B, 1, S, R] interleaved pairs (the rope key shared by all heads), or already turned when cos/sin are
-    None. Returns (key [B, H, S, nope_dim + R] contiguous, value [B, H, S, V], a view of kv).
+    None. Returns (key [B, H, S, nope_dim + R], value [B, H, S, V]), both stored as [B, S, H, D].
     """
     if (cos is None) != (sin is None):
         raise ValueError("give both cos and sin, or neither")

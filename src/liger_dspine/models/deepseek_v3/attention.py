@@ -6,7 +6,10 @@ same parameters and ``__init__``, so it can replace the class in ``modeling_deep
 
 - the query: split, interleaved RoPE, ``torch.cat((q_pass, q_rot))`` -> one kernel (:func:`liger_mla_query`);
 - the key: interleaved RoPE of the shared ``k_rot``, broadcast to the heads and copy beside ``k_nope``
-  (``expand_kv``) -> one kernel (:func:`liger_mla_key`); the value stays a view of the ``kv_b_proj`` output;
+  (``expand_kv``) -> one kernel (:func:`liger_mla_key`), which also copies the value out of the ``kv_b_proj``
+  output so that output is freed at once instead of being held to the backward by a value view;
+- the copy of the attention output back to ``[B, S, H * D]`` for ``o_proj``: query, key and value are stored
+  position-major, so flash / cuDNN attention write their output in that layout and ``o_proj`` reads it as is;
 - in the backward, the matching copies, the head sum of the rope-key gradient and the concatenation of the key and
   value gradients.
 
