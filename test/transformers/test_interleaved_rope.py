@@ -409,7 +409,7 @@ def test_model_with_liger_attention_matches_native(device):
 def test_attention_output_reaches_o_proj_without_a_copy(dtype):
     """Flash / cuDNN attention keep the [B, S, H, D] memory of the assembled query: the output then reshapes to
     [B, S, H * D] as a view, so o_proj saves the attention output itself and no copy of it."""
-    batch, heads, seq_len, nope, v_dim, rope_dim, lora = 1, 8, 256, 128, 128, 64, 64
+    batch, heads, seq_len, nope, v_dim, rope_dim = 1, 8, 256, 128, 128, 64
     cos, sin = _cos_sin(rope_dim, _position_ids("contiguous", batch, seq_len), "cuda")
     q_states = torch.randn(batch, seq_len, heads * (nope + rope_dim), device="cuda", dtype=dtype)
     kv = torch.randn(batch, seq_len, heads * (nope + v_dim), device="cuda", dtype=dtype)

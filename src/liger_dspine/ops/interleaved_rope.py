@@ -513,7 +513,7 @@ def liger_mla_key(
     sin: torch.Tensor | None,
     nope_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA key assembly: ``key = cat((kv[..., :nope_dim], rope(k_rot).expand(H)), -1)``, ``value = kv[..., nope_dim:]`` (copied).
+    """MLA key assembly: ``key = cat((kv[..., :nope_dim], rope(k_rot).expand(H)), -1)``, value ``kv[..., nope_dim:]``.
 
     kv: [B, H, S, nope_dim + V] (any strides, typically ``kv_b_proj(latent).view(B, S, H, -1).transpose(1, 2)``),
     k_rot: [B, 1, S, R] interleaved pairs (the rope key shared by all heads), or already turned when cos/sin are
