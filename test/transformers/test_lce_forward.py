@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.modules import causal_lm_forward
 from liger_dspine.modules.causal_lm_forward import ce_forward
 from liger_dspine.modules.causal_lm_forward import lce_forward
 from liger_dspine.modules.causal_lm_forward import lce_forward_vocab_chunked
@@ -257,3 +258,26 @@ def test_greedy_generation_matches_native(native, lce, batch):
         actual = lce.generate(input_ids, max_new_tokens=4, do_sample=False)
 
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 2**40], ids=["liger_rule", "one_chunk"])
+def test_token_chunk_budget_keeps_the_native_loss(native, lce_tokens, batch, monkeypatch, chunk_bytes):
+    """Liger's own chunking (many chunks at these sizes) and a single chunk give the native loss and gradients."""
+    monkeypatch.setattr(causal_lm_forward, "FUSED_CE_CHUNK_BYTES", chunk_bytes)
+    input_ids, labels = batch
+    native_out, native_grads = loss_and_grads(native.train(), input_ids, labels=labels)
+    out, grads = loss_and_grads(lce_tokens.train(), input_ids, labels=labels)
+    torch.testing.assert_close(out.loss, native_out.loss, **FP32)
+    assert_grads_close(grads, native_grads, **FP32)
+
+
+def test_token_chunk_budget_at_deepseek_v3_widths():
+    """chunk_mem_const at vocab 129280 / hidden 7168, bf16: liger's chunk count from it (its own formula)."""
+
+    def chunks(tokens):
+        const = causal_lm_forward.fused_ce_chunk_mem_const(tokens, 7168, 2)
+        per_chunk = 1 << (-(-tokens // -(-129280 // (const * 7168))) - 1).bit_length()
+        return -(-tokens // min(per_chunk, tokens))
+
+    assert [chunks(t) for t in (4096, 8192, 16384, 32768)] == [2, 4, 8, 16]
+    assert causal_lm_forward.fused_ce_chunk_mem_const(32768, 7168, 2) == 1  # liger-kernel's own rule at long sequences

@@ -228,17 +228,31 @@ def _loss_divisor(targets: torch.Tensor, num_items_in_batch) -> torch.Tensor | i
     return max(num_items_in_batch, 1)
 
 
+# Transient logits of one chunk of liger-kernel's fused linear cross entropy. Its own rule (about tokens x hidden
+# elements) cuts 4096 tokens at vocab 129280 / hidden 7168 into 16 chunks, each adding its share into the whole
+# lm_head gradient (a read and a write of 1.7 GiB per chunk); with this floor they take 2 chunks.
+FUSED_CE_CHUNK_BYTES = 512 * 2**20
+
+
+def fused_ce_chunk_mem_const(tokens: int, hidden: int, element_size: int) -> int:
+    """liger-kernel's ``chunk_mem_const``: its chunk budget is ``chunk_mem_const * tokens * hidden`` elements;
+    raised (never lowered) so that a chunk's logits may take ``FUSED_CE_CHUNK_BYTES``."""
+    return max(1, FUSED_CE_CHUNK_BYTES // max(1, tokens * hidden * element_size))
+
+
 def _fused_linear_ce(hidden_states, weight, targets, divisor):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     result = liger_fused_linear_cross_entropy(
-        hidden_states.reshape(-1, hidden_states.shape[-1]),
+        flat,
         weight,
         targets,
         ignore_index=IGNORE_INDEX,
         reduction="sum",
         return_token_accuracy=True,
+        chunk_mem_const=fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size()),
     )
     return result.loss / _on(divisor, result.loss), result.token_accuracy
 
