@@ -5,7 +5,8 @@ Every configuration runs in a process of its own (clean peak memory, a fresh Tri
 them one after another, keeps inside a time budget, and writes <out-dir>/<name>.csv, <name>.md and two plots.
 A throughput configuration: two warm-ups (the first timed from the built model: first_step_s), then the mean of
 three timed steps; peak memory over the timed steps. The longest-sequence sweep (2 layers) builds the model once
-per implementation and takes one timed step per length, 32768 up by 8192, until out of memory.
+per implementation and takes one timed step per length: doubling from 32768 until out of memory, then bisection
+to a multiple of 8192.
 MFU: model FLOPs (flops.py) per measured step over the bf16 matrix rate measured first, in the same run.
 
     python benchmark/bench_deepseek_v3.py --suite quick
@@ -332,43 +333,69 @@ class ChildBench:
         _emit(args.result_file, row)
 
     def max_seq(self, base: dict) -> None:
-        """2 layers, one timed step per sequence length, from the sweep's start up by its step, until out of memory."""
+        """2 layers, one timed step per sequence length: doubling from the sweep's start until out of memory, then
+        bisection on the sweep's step between the longest length that ran and the shortest that did not."""
         torch, args = self.torch, self.args
         sweep = _sweep(args.tiny)
-        model, config = None, None
-        seq, last = sweep["start"], None  # last: (seq, step seconds)
-        while seq <= sweep["stop"]:
-            row = dict(base, seq=seq, device=self._device_name())
-            elapsed = time.monotonic() - _PROCESS_START
-            if last and elapsed + 1.5 * last[1] * (seq / last[0]) ** 2 > args.time_budget_s:
-                row["status"] = "skipped: time budget"
-                _emit(args.result_file, row)
+        step = sweep["step"]
+        state = dict(model=None, config=None, base=base, last=None)  # last: (seq, step seconds)
+        fits, fails = None, None
+        seq = sweep["start"]
+        while seq is not None:
+            ran = self._max_seq_try(seq, state, sweep)
+            if ran is None:  # out of time
                 return
-            try:
-                if model is None:
-                    model, config = self._build(row, sweep["stop"])
-                    base = dict(base, **{k: row[k] for k in ("params", "build_s", "attn", "experts", "moe_autotune")})
-                    warm_ids = self._input_ids(config, seq)
-                    row["first_step_s"] = self._time(lambda: self._train_step(model, warm_ids))
-                    del warm_ids
-                if seq > sweep.get("simulate_oom_above", seq):
-                    raise torch.cuda.OutOfMemoryError(f"simulated: {seq} > {sweep['simulate_oom_above']} (--tiny)")
-                input_ids = self._input_ids(config, seq)
-                if self.cuda:
-                    torch.cuda.empty_cache()
-                self._reset_peak()
-                losses = []
-                step_s = self._time(lambda: losses.append(self._train_step(model, input_ids)))
-                row.update(self._step_values(seq, step_s, float(losses[-1])), status="ok")
-                last = (seq, step_s)
-                del input_ids
-            except torch.cuda.OutOfMemoryError as error:
-                logger.warning("out of memory at %d: %s", seq, str(error).splitlines()[0])
-                row["status"] = "oom"
-                _emit(args.result_file, row)
-                return
+            if ran:
+                fits = seq
+            else:
+                fails = seq
+            if fails is None:
+                seq = seq * 2 if seq * 2 <= sweep["stop"] else None
+            elif fits is None or fails - fits <= step:
+                seq = None
+            else:
+                seq = fits + max(step, (fails - fits) // 2 // step * step)
+
+    def _max_seq_try(self, seq: int, state: dict, sweep: dict) -> bool | None:
+        """One timed step at seq: True (ran), False (out of memory), None (skipped: not enough time left)."""
+        torch, args = self.torch, self.args
+        row = dict(state["base"], seq=seq, device=self._device_name())
+        last = state["last"]
+        elapsed = time.monotonic() - _PROCESS_START
+        if last and elapsed + 1.5 * last[1] * (seq / last[0]) ** 2 > args.time_budget_s:
+            row["status"] = "skipped: time budget"
             _emit(args.result_file, row)
-            seq += sweep["step"]
+            return None
+        model = state["model"]
+        try:
+            if model is None:
+                model, config = self._build(row, sweep["stop"])
+                state.update(model=model, config=config)
+                keys = ("params", "build_s", "attn", "experts", "moe_autotune")
+                state["base"] = dict(state["base"], **{k: row[k] for k in keys})
+                warm_ids = self._input_ids(config, sweep["start"])
+                row["first_step_s"] = self._time(lambda: self._train_step(model, warm_ids))
+                del warm_ids
+            if seq > sweep.get("simulate_oom_above", seq):
+                raise torch.cuda.OutOfMemoryError(f"simulated: {seq} > {sweep['simulate_oom_above']} (--tiny)")
+            input_ids = self._input_ids(state["config"], seq)
+            self._reset_peak()
+            losses = []
+            step_s = self._time(lambda: losses.append(self._train_step(model, input_ids)))
+            row.update(self._step_values(seq, step_s, float(losses[-1])), status="ok")
+            state["last"] = (seq, step_s)
+            del input_ids
+            ran = True
+        except torch.cuda.OutOfMemoryError as error:
+            logger.warning("out of memory at %d: %s", seq, str(error).splitlines()[0])
+            row["status"] = "oom"
+            ran = False
+        if not ran:  # free what the failed step left (partial gradients, the traceback's tensors) before the next
+            model.zero_grad(set_to_none=True)
+            if self.cuda:
+                torch.cuda.empty_cache()
+        _emit(args.result_file, row)
+        return ran
 
     # -- pieces
 

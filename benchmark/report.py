@@ -134,7 +134,8 @@ def max_seq_table(rows: list[dict]) -> str:
     sweep = [r for r in rows if r.get("kind") == "max_seq"]
     if not sweep:
         return ""
-    lines = _header_lines(["impl", "longest ok seq", "peak GiB there", "tok/s there", "stopped at", "why"])
+    lines = _header_lines(["impl", "longest ok seq", "vs liger", "peak GiB there", "tok/s there", "stopped at", "why"])
+    longest = {r["impl"]: r["seq"] for r in sorted(sweep, key=lambda r: r["seq"]) if r["status"] == "ok"}
     for impl in _ordered_impls(r["impl"] for r in sweep):
         mine = sorted((r for r in sweep if r["impl"] == impl), key=lambda r: r["seq"])
         ok = [r for r in mine if r["status"] == "ok"]
@@ -146,6 +147,7 @@ def max_seq_table(rows: list[dict]) -> str:
                 [
                     impl,
                     str(best["seq"]) if best else "-",
+                    f"{best['seq'] / longest['liger']:.2f}x" if best and longest.get("liger") else "-",
                     _fmt(best["peak_gib"]) if best else "-",
                     _fmt(best["tokens_per_s"], thousands=True) if best else "-",
                     str(stop["seq"]) if stop else "-",
