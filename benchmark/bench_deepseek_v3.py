@@ -335,8 +335,7 @@ class ChildBench:
     def max_seq(self, base: dict) -> None:
         """2 layers, one timed step per sequence length: doubling from the sweep's start until out of memory, then
         bisection on the sweep's step between the longest length that ran and the shortest that did not."""
-        torch, args = self.torch, self.args
-        sweep = _sweep(args.tiny)
+        sweep = _sweep(self.args.tiny)
         step = sweep["step"]
         state = dict(model=None, config=None, base=base, last=None)  # last: (seq, step seconds)
         fits, fails = None, None
@@ -384,7 +383,6 @@ class ChildBench:
             step_s = self._time(lambda: losses.append(self._train_step(model, input_ids)))
             row.update(self._step_values(seq, step_s, float(losses[-1])), status="ok")
             state["last"] = (seq, step_s)
-            del input_ids
             ran = True
         except torch.cuda.OutOfMemoryError as error:
             logger.warning("out of memory at %d: %s", seq, str(error).splitlines()[0])
