@@ -299,7 +299,7 @@ def _convert(module: nn.Module, new: type) -> None:
     convert = getattr(new, "convert", None)
     if convert is not None:
         convert(module)
-    elif isinstance(module, new.__mro__[1]):
+    elif issubclass(new, type(module)):
         module.__class__ = new
     else:
         raise TypeError(f"liger-dspine: {new.__name__} cannot convert a {type(module).__name__} in place")

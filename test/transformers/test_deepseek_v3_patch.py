@@ -22,6 +22,7 @@ from transformers import LlamaForCausalLM
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
 from liger_dspine import revert_liger_kernel_to_deepseek_v3
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
+from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3RecomputeAttention
 from liger_dspine.models.deepseek_v3.router import LigerDeepseekV3TopkRouter
 from liger_dspine.models.deepseek_v3.router import liger_route_tokens_to_experts
 from liger_dspine.modules.causal_lm_forward import ce_forward
@@ -70,6 +71,7 @@ OPTION_CASES = {
     "fused_experts": {"fused_experts": True},
     "fused_experts_without_swiglu": {"swiglu": False, "fused_experts": True},
     "vocab_chunked_lce": {"vocab_chunked_lce": True},
+    "recompute_attention": {"recompute_attention": True},
     "no_moe_router": {"moe_router": False},
     "no_rope": {"rope": False},
     "no_loss_forward": {"fused_linear_cross_entropy": False},
@@ -95,7 +97,8 @@ def swap_table(options: dict) -> dict[type, type]:
     if options["moe_router"]:
         table[NATIVE_ROUTER] = LigerDeepseekV3TopkRouter
     if options["rope"]:
-        table[NATIVE_ATTENTION] = LigerDeepseekV3Attention
+        recompute = options["recompute_attention"]
+        table[NATIVE_ATTENTION] = LigerDeepseekV3RecomputeAttention if recompute else LigerDeepseekV3Attention
     return table
 
 
@@ -392,7 +395,7 @@ parameters = inspect.signature(liger_dspine.apply_liger_kernel_to_deepseek_v3).p
 options = [name for name, p in parameters.items() if isinstance(p.default, bool)]
 messages = {"cuda": torch.cuda.is_available()}
 for enabled in options:  # one kernel family at a time
-    if enabled in ("fused_experts", "vocab_chunked_lce"):  # act only with swiglu / fused_linear_cross_entropy
+    if enabled in ("fused_experts", "vocab_chunked_lce", "recompute_attention"):  # act only with another option
         continue
     model = build_model(config)
     liger_dspine.apply_liger_kernel_to_instance(model, **{name: name == enabled for name in options})

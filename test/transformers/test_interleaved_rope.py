@@ -18,6 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_po
 from liger_dspine.models.deepseek_v3 import attention as liger_attention
 from liger_dspine.models.deepseek_v3.attention import NATIVE_CACHE_ARG
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
+from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3RecomputeAttention
 from liger_dspine.ops.interleaved_rope import liger_interleaved_rope
 from liger_dspine.ops.interleaved_rope import liger_mla_key
 from liger_dspine.ops.interleaved_rope import liger_mla_query
@@ -307,13 +308,13 @@ def _causal_mask(batch, q_len, kv_len, device):
     return mask[None, None].expand(batch, 1, q_len, kv_len)
 
 
-def _attention_pair(config, device):
+def _attention_pair(config, device, liger_class=LigerDeepseekV3Attention):
     torch.manual_seed(0)
     native = DeepseekV3Attention(config, layer_idx=0).to(device)
     for p in native.parameters():  # RMSNorm weights start at ones: make them count
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
     liger = copy.deepcopy(native)
-    liger.__class__ = LigerDeepseekV3Attention  # as an instance patch does
+    liger.__class__ = liger_class  # as an instance patch does
     return native, liger
 
 
@@ -325,9 +326,10 @@ def _run_attention(module, hidden, cos, sin, mask, cache=None, cache_arg=NATIVE_
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
 @pytest.mark.parametrize("rope_interleave", [True, False])
-def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope_interleave):
+@pytest.mark.parametrize("liger_class", [LigerDeepseekV3Attention, LigerDeepseekV3RecomputeAttention])
+def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope_interleave, liger_class):
     config = _attention_config(q_lora_rank, attn_implementation, rope_interleave)
-    native, liger = _attention_pair(config, device)
+    native, liger = _attention_pair(config, device, liger_class)
     assert liger.state_dict().keys() == native.state_dict().keys()
     batch, seq_len = 2, 9
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
@@ -344,6 +346,36 @@ def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope
     names = ["hidden_states"] + [name for name, _ in native.named_parameters()]
     for name, g, w in zip(names, got, want):
         torch.testing.assert_close(g, w, **FP32, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_recompute_attention_keeps_less_for_backward(device):
+    """The recomputing class keeps at least the per-head query, key and value less for backward than the plain
+    one (unique storages of the tensors autograd saves, parameters excluded), and its backward still runs."""
+    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    batch, seq_len, heads = 1, 6, config.num_attention_heads
+    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
+    cos, sin = _cos_sin(config.qk_rope_head_dim, _position_ids("contiguous", batch, seq_len), device)
+    mask = _causal_mask(batch, seq_len, seq_len, device)
+
+    def saved_bytes(liger_class):
+        _, module = _attention_pair(config, device, liger_class)
+        parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        storages = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in parameters:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = _run_attention(module, hidden, cos, sin, mask)
+        out.sum().backward()
+        assert all(p.grad is not None for p in module.parameters())
+        return sum(storages.values())
+
+    per_head = batch * heads * seq_len * (2 * config.qk_head_dim + config.v_head_dim) * hidden.element_size()
+    assert saved_bytes(LigerDeepseekV3Attention) - saved_bytes(LigerDeepseekV3RecomputeAttention) >= per_head
 
 
 def test_attention_class_level_construction_loads_native_weights(device):

@@ -14,6 +14,7 @@ def apply_liger_kernel_to_deepseek_v3(
     moe_router: bool = True,
     fused_experts: bool = False,
     vocab_chunked_lce: bool = False,
+    recompute_attention: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
@@ -36,6 +37,10 @@ def apply_liger_kernel_to_deepseek_v3(
         vocab_chunked_lce: (keyword-only) with ``fused_linear_cross_entropy``, a fused linear cross entropy that
             chunks over the vocabulary instead of the tokens: it holds no lm_head gradient buffer from forward to
             backward and rounds each gradient element once, for one extra logits GEMM.
+        recompute_attention: (keyword-only) with ``rope``, an opt-in memory saver: in training each attention layer
+            keeps only its latents (``LigerDeepseekV3RecomputeAttention``) and recomputes the per-head query, key
+            and value and the attention forward in the backward (4 GiB less per layer at 32768 tokens at DeepSeek-V3
+            widths, for about one more attention forward).
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 
@@ -44,9 +49,12 @@ def apply_liger_kernel_to_deepseek_v3(
     """
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path")
+    if recompute_attention and not rope:
+        raise ValueError("recompute_attention=True needs rope=True: it is a mode of liger-dspine's MLA attention")
     require_supported_versions()
     options = dict(
-        rope=rope,
+        rope=rope and not recompute_attention,
+        recompute_attention=rope and recompute_attention,
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy and not vocab_chunked_lce,
         vocab_chunked_lce=fused_linear_cross_entropy and vocab_chunked_lce,

@@ -25,6 +25,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _modeling
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
@@ -47,6 +48,8 @@ def _flash_pads_value(config) -> bool:
 class LigerDeepseekV3Attention(DeepseekV3Attention):
     """MLA with the interleaved RoPE fused into the query and key assembly; parameters as the native class."""
 
+    recompute_core = False  # see LigerDeepseekV3RecomputeAttention
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -64,25 +67,41 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
             cache = past_key_values
         cos, sin = position_embeddings
         if not self.config.rope_interleave or cos.requires_grad or sin.requires_grad:
-            return super().forward(
-                hidden_states, position_embeddings, attention_mask, **{NATIVE_CACHE_ARG: cache}, **kwargs
-            )
-
-        from liger_dspine.ops.interleaved_rope import liger_mla_query
+            native = super().forward
+            if self.recompute_core and cache is None and torch.is_grad_enabled():
+                run = lambda h: native(h, position_embeddings, attention_mask, **kwargs)  # noqa: E731
+                return checkpoint(run, hidden_states, use_reentrant=False)
+            return native(hidden_states, position_embeddings, attention_mask, **{NATIVE_CACHE_ARG: cache}, **kwargs)
 
         batch_size, seq_length = hidden_states.shape[:-1]
-        if self.q_lora_rank is None:
-            q_states = self.q_proj(hidden_states)
-        else:
-            q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
-        q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
-        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
-
+        # The latents: the query's after q_a_layernorm (or the hidden states without q_lora_rank), the key/value's
+        # after kv_a_layernorm, and the shared rope key.
+        q_latent = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
         compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
         kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_nope = self.kv_a_layernorm(kv_nope)
         k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+
+        def core(q_latent, kv_nope, k_rot):
+            return self._liger_attention_core(q_latent, kv_nope, k_rot, cos, sin, attention_mask, cache, kwargs)
+
+        if self.recompute_core and cache is None and torch.is_grad_enabled():
+            attn_output, attn_weights = checkpoint(core, q_latent, kv_nope, k_rot, use_reentrant=False)
+        else:
+            attn_output, attn_weights = core(q_latent, kv_nope, k_rot)
+        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    def _liger_attention_core(self, q_latent, kv_nope, k_rot, cos, sin, attention_mask, cache, kwargs):
+        """From the latents to the attention output [B, S, H, v_head_dim] and the attention weights (or None)."""
+        from liger_dspine.ops.interleaved_rope import liger_mla_query
+
+        batch_size, seq_length = q_latent.shape[:-1]
+        q_states = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
+        # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
+        q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
+        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
 
         if LATENT_CACHE:
             key_states, value_states = self._liger_latent_key_value(kv_nope, k_rot, cos, sin, cache, kwargs)
@@ -108,9 +127,6 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         )
         if pad_value:
             attn_output = attn_output[:, :, :, : self.v_head_dim]
-
-        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
     def _liger_kv_heads(self, kv_latent: torch.Tensor) -> torch.Tensor:
@@ -144,3 +160,15 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         return key_states, value_states
+
+
+class LigerDeepseekV3RecomputeAttention(LigerDeepseekV3Attention):
+    """``LigerDeepseekV3Attention`` that keeps only the latents for backward (an opt-in memory saver).
+
+    In training, the query / key / value up-projections, their assembly and the attention forward run again in
+    the backward instead of keeping the per-head query, key and value (at 128 heads: 1 KiB per token and head
+    group, 4 GiB per layer at 32768 tokens in bf16). The price is one more attention forward and two small
+    GEMMs per layer in the backward.
+    """
+
+    recompute_core = True

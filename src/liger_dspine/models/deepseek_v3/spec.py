@@ -45,6 +45,12 @@ DEEPSEEK_V3_SPEC = PatchSpec(
         ClassSwap(
             "rope", ("DeepseekV3Attention",), "liger_dspine.models.deepseek_v3.attention:LigerDeepseekV3Attention"
         ),
+        # the same, keeping only the latents for backward (opt-in memory saver)
+        ClassSwap(
+            "recompute_attention",
+            ("DeepseekV3Attention",),
+            "liger_dspine.models.deepseek_v3.attention:LigerDeepseekV3RecomputeAttention",
+        ),
         # sigmoid + grouped top-k routing in one kernel (the layout of transformers >= 5.13, and before it)
         ClassSwap(
             "moe_router", ("DeepseekV3TopkRouter",), "liger_dspine.models.deepseek_v3.router:LigerDeepseekV3TopkRouter"
