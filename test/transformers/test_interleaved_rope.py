@@ -451,3 +451,14 @@ def test_attention_output_reaches_o_proj_without_a_copy(dtype):
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
     flat = out.transpose(1, 2).reshape(batch, seq_len, -1)
     assert flat.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_heads_split_over_programs(device, monkeypatch, rotate):
+    """With a tile narrower than the heads, each row's heads spread over several programs (and the key backward's
+    head sum stays in one): the query and key results are unchanged."""
+    from liger_dspine.ops import interleaved_rope
+
+    monkeypatch.setattr(interleaved_rope, "_TILE", 16)  # 1 head of 8 / 12 / 16 columns per tile, 3 heads per row
+    test_mla_query_matches_split_rope_cat(device, "packed", 8)
+    test_mla_key_matches_expand_kv(device, rotate)

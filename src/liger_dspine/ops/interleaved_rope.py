@@ -86,12 +86,16 @@ def _rope_rows_kernel(
     DST_PAIRS: tl.constexpr,  # destination rows get interleaved pairs (the backward of a turn)
     ROT_MODE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
     BLOCK_NOPE: tl.constexpr,
     BLOCK_EXTRA: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One program per (batch, position) row; it walks the heads BLOCK_H at a time. All last strides are 1."""
+    """One program per (batch, position) row and group of HEADS_PER_PROGRAM heads, walked BLOCK_H at a time (the
+    head-reducing mode takes every head in one program). All last strides are 1."""
     row = tl.program_id(0).to(tl.int64)
+    head_start = tl.program_id(1) * HEADS_PER_PROGRAM
+    head_end = tl.minimum(head_start + HEADS_PER_PROGRAM, num_heads)
     b = row // seq_len
     s = row % seq_len
     heads = tl.arange(0, BLOCK_H)
@@ -134,9 +138,9 @@ def _rope_rows_kernel(
         sum_a = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
         sum_b = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
 
-    for h0 in range(0, num_heads, BLOCK_H):
+    for h0 in range(head_start, head_end, BLOCK_H):
         h = (h0 + heads).to(tl.int64)
-        mask_h = h < num_heads
+        mask_h = h < head_end
         if NOPE > 0:
             cols_n = tl.arange(0, BLOCK_NOPE)
             mask_n = mask_h[:, None] & (cols_n < NOPE)[None, :]
@@ -238,8 +242,11 @@ def _launch(
     half = rot_src.shape[-1] // 2
     widest = max(_next_pow2(nope), _next_pow2(extra), _next_pow2(half))
     block_h = min(_next_pow2(num_heads), max(1, _TILE // widest))
+    # Several programs per row (one tile of heads each) keep more loads in flight; a head sum needs one program.
+    heads_per_program = _next_pow2(num_heads) if rot_mode == _ROT_REDUCE else block_h
+    grid = (batch * seq_len, triton.cdiv(num_heads, heads_per_program))
     # Unused pointers point at rot_src; the kernel never reads them (constexpr branches).
-    _rope_rows_kernel[(batch * seq_len,)](
+    _rope_rows_kernel[grid](
         pass_src if pass_src is not None else rot_src,
         pass_dst if pass_dst is not None else rot_src,
         extra_src if extra_src is not None else rot_src,
@@ -267,6 +274,7 @@ def _launch(
         DST_PAIRS=cos is not None and inverse,
         ROT_MODE=rot_mode,
         BLOCK_H=block_h,
+        HEADS_PER_PROGRAM=heads_per_program,
         BLOCK_NOPE=_next_pow2(nope),
         BLOCK_EXTRA=_next_pow2(extra),
         BLOCK_HALF=_next_pow2(half),
