@@ -272,10 +272,10 @@ def test_cuda_large_matches_eager(exact_bf16_gemms, dtype):
     assert torch.equal(mass > MASS_THRESHOLD, eager.candidate_teacher_probs.sum(-1) > MASS_THRESHOLD)
     assert (mass[::5] <= MASS_THRESHOLD).float().mean() > 0.9
     # Gradients: dz equal up to fp32 ulps, rounded to the dtype, then a GEMM of another shape (row chunks), for
-    # which cuBLAS picks another kernel and summation order over the 32000-long reduction. fp32: measured 1.2e-5
-    # of the scale on the H200, so 3e-5; bf16: a dz rounding flip moves an output by about one bf16 ulp (2^-8
-    # relative), so 1e-2 of the scale.
-    assert_max_error(fused_grad, eager_grad, 3e-5 if dtype == torch.float32 else 1e-2)
+    # which cuBLAS picks another kernel and summation order over the 32000-long reduction. fp32: measured 1.18e-5
+    # against a scale of 0.29 (4.0e-5 of it) on the H200, so 1e-4; bf16: a dz rounding flip moves an output by
+    # about one bf16 ulp (2^-8 relative), so 1e-2 of the scale.
+    assert_max_error(fused_grad, eager_grad, 1e-4 if dtype == torch.float32 else 1e-2)
     assert fused_grad.dtype == dtype
 
 
