@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 from liger_dspine import AutoLigerDSpineForCausalLM
 from liger_dspine.modules.causal_lm_forward import lce_forward
 from liger_dspine.modules.experts import LigerFusedExperts
+from liger_dspine.modules.grouped_experts import LigerGroupedExperts
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
 from tiny_models import build_model
@@ -69,6 +70,7 @@ def test_from_pretrained_splits_patch_options_from_transformers_kwargs(class_lev
     assert not hasattr(model.config, "swiglu")
     types = kinds(model)
     assert types.count(LigerRMSNorm) == 9 and LigerSwiGLUMLP not in types and LigerFusedExperts not in types
+    assert LigerGroupedExperts not in types  # routed experts follow swiglu
     assert DeepseekV3ForCausalLM.forward is lce_forward
     assert model.state_dict().keys() == native_model.state_dict().keys()
     with torch.no_grad():

@@ -29,6 +29,7 @@ from liger_dspine.modules.causal_lm_forward import ce_forward
 from liger_dspine.modules.causal_lm_forward import lce_forward
 from liger_dspine.modules.causal_lm_forward import lce_forward_vocab_chunked
 from liger_dspine.modules.experts import LigerFusedExperts
+from liger_dspine.modules.grouped_experts import LigerGroupedExperts
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
 from tiny_models import assert_transformers_native
@@ -70,6 +71,7 @@ OPTION_CASES = {
     "no_swiglu": {"swiglu": False},
     "fused_experts": {"fused_experts": True},
     "fused_experts_without_swiglu": {"swiglu": False, "fused_experts": True},
+    "native_experts": {"grouped_experts": False},
     "vocab_chunked_lce": {"vocab_chunked_lce": True},
     "recompute_attention": {"recompute_attention": True},
     "no_moe_router": {"moe_router": False},
@@ -94,6 +96,8 @@ def swap_table(options: dict) -> dict[type, type]:
         table[NATIVE_MLP] = LigerSwiGLUMLP
         if options["fused_experts"]:
             table[NATIVE_EXPERTS] = LigerFusedExperts
+        elif options["grouped_experts"]:
+            table[NATIVE_EXPERTS] = LigerGroupedExperts
     if options["moe_router"]:
         table[NATIVE_ROUTER] = LigerDeepseekV3TopkRouter
     if options["rope"]:
@@ -109,7 +113,7 @@ def expected_instance_report(options: dict, n_norms: int, n_mlps: int, n_moe: in
         counts["DeepseekV3RMSNorm modules"] = n_norms
     if options["swiglu"]:
         counts["DeepseekV3MLP modules"] = n_mlps
-        if options["fused_experts"]:
+        if options["fused_experts"] or options["grouped_experts"]:
             counts[f"{NATIVE_EXPERTS.__name__} modules"] = n_moe
     if options["rope"]:
         counts["DeepseekV3Attention modules"] = N_LAYERS
@@ -395,7 +399,7 @@ parameters = inspect.signature(liger_dspine.apply_liger_kernel_to_deepseek_v3).p
 options = [name for name, p in parameters.items() if isinstance(p.default, bool)]
 messages = {"cuda": torch.cuda.is_available()}
 for enabled in options:  # one kernel family at a time
-    if enabled in ("fused_experts", "vocab_chunked_lce", "recompute_attention"):  # act only with another option
+    if enabled in ("fused_experts", "grouped_experts", "vocab_chunked_lce", "recompute_attention"):  # need another
         continue
     model = build_model(config)
     liger_dspine.apply_liger_kernel_to_instance(model, **{name: name == enabled for name in options})

@@ -17,6 +17,7 @@ from liger_dspine import register_with_liger
 from liger_dspine.models.deepseek_v3.router import LigerDeepseekV3TopkRouter
 from liger_dspine.modules.causal_lm_forward import lce_forward
 from liger_dspine.modules.experts import LigerFusedExperts
+from liger_dspine.modules.grouped_experts import LigerGroupedExperts
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
 from tiny_models import build_model
@@ -59,7 +60,7 @@ def assert_liger_dspine_modules(model) -> None:
     assert types.count(LigerRMSNorm) == 9
     assert types.count(LigerSwiGLUMLP) == 2
     assert types.count(LigerDeepseekV3TopkRouter) == 1
-    assert LigerFusedExperts not in types  # routed experts stay transformers' own by default
+    assert LigerFusedExperts not in types and types.count(LigerGroupedExperts) == 1  # the default routed experts
     assert not [t for t in types if t.__module__.startswith("liger_kernel")]
 
 
@@ -132,6 +133,7 @@ def test_apply_liger_kernel_patches_classes(class_level):
     model = build_model(tiny_deepseek_v3_config())
     types = list(module_types(model).values())
     assert types.count(LigerRMSNorm) == 9 and LigerSwiGLUMLP not in types and LigerFusedExperts not in types
+    assert LigerGroupedExperts not in types  # routed experts follow swiglu
 
 
 def test_apply_liger_kernel_to_instance_patches_the_model():

@@ -13,6 +13,7 @@ def apply_liger_kernel_to_deepseek_v3(
     *,
     moe_router: bool = True,
     fused_experts: bool = False,
+    grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
 ) -> patching.PatchReport:
@@ -26,14 +27,19 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
             logits (``lce_forward``). Exclusive with ``cross_entropy``.
         rms_norm: every ``DeepseekV3RMSNorm`` -> ``LigerRMSNorm``.
-        swiglu: dense MLPs and shared experts -> ``LigerSwiGLUMLP``; with ``fused_experts`` also the batched
-            routed experts -> ``LigerFusedExperts`` (liger-kernel's fused MoE).
+        swiglu: dense MLPs and shared experts -> ``LigerSwiGLUMLP``, which keeps no SiLU-mul product for backward;
+            the batched routed experts -> ``LigerGroupedExperts`` (``grouped_experts``) or ``LigerFusedExperts``
+            (``fused_experts``).
         moe_router: (keyword-only) DeepSeek-V3's sigmoid + grouped top-k routing in one Triton kernel, with a
             router-logit GEMM that keeps no fp32 copy of the hidden states for backward.
-        fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels.
-            Default False: transformers' own experts (``grouped_mm`` on GPU) took about 27 ms against 43 ms for
-            liger-kernel's untuned fused MoE in a profiled H200 step (8 layers, 4096 tokens), and start without an
-            autotuning pass.
+        fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels
+            (takes precedence over ``grouped_experts``). Default False: grouped GEMMs (transformers' own experts)
+            took about 27 ms against 43 ms for liger-kernel's untuned fused MoE in a profiled H200 step (8 layers,
+            4096 tokens), and start without an autotuning pass.
+        grouped_experts: (keyword-only) with ``swiglu``, routed experts -> ``LigerGroupedExperts``: the grouped
+            GEMMs of transformers' ``grouped_mm`` experts in one autograd op that keeps only the gate/up output
+            for backward (transformers' keeps the gathered inputs, the activation and the down output too: about
+            2 GiB more per MoE layer at 32768 tokens) and recomputes the rest. False leaves transformers' experts.
         vocab_chunked_lce: (keyword-only) with ``fused_linear_cross_entropy``, a fused linear cross entropy that
             chunks over the vocabulary instead of the tokens: it holds no lm_head gradient buffer from forward to
             backward and rounds each gradient element once, for one extra logits GEMM.
@@ -62,6 +68,7 @@ def apply_liger_kernel_to_deepseek_v3(
         swiglu=swiglu,
         moe_router=moe_router,
         fused_experts=swiglu and fused_experts,
+        grouped_experts=swiglu and grouped_experts and not fused_experts,
     )
     if model is None:
         return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)

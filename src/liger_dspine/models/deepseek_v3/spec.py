@@ -41,6 +41,12 @@ DEEPSEEK_V3_SPEC = PatchSpec(
             ("DeepseekV3Experts", "DeepseekV3NaiveMoe"),
             "liger_dspine.modules.experts:LigerFusedExperts",
         ),
+        # batched routed experts on grouped GEMMs, keeping only the gate/up output for backward (the default)
+        ClassSwap(
+            "grouped_experts",
+            ("DeepseekV3Experts", "DeepseekV3NaiveMoe"),
+            "liger_dspine.modules.grouped_experts:LigerGroupedExperts",
+        ),
         # MLA with the interleaved partial RoPE and the query / key assembly in Triton kernels
         ClassSwap(
             "rope", ("DeepseekV3Attention",), "liger_dspine.models.deepseek_v3.attention:LigerDeepseekV3Attention"

@@ -1,0 +1,93 @@
+import torch
+from torch import nn
+
+from liger_dspine.ops.grouped_experts import grouped_experts
+
+# activation names transformers' ACT2FN maps to SiLU
+SILU_NAMES = ("silu", "swish")
+
+
+def _num_experts(config) -> int:
+    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    raise ValueError("liger-dspine: the config names no expert count (n_routed_experts / num_local_experts)")
+
+
+def _check_silu(act, what: str) -> None:
+    if act not in SILU_NAMES:
+        raise ValueError(f"liger-dspine: {what} computes silu(gate) * up only; the experts' activation is {act!r}")
+
+
+def _activation_of(module: nn.Module) -> str | None:
+    """The experts' activation name: ``config.hidden_act``, else read from the ``act_fn`` module."""
+    config = getattr(module, "config", None)
+    if getattr(config, "hidden_act", None) is not None:
+        return config.hidden_act
+    act_fn = getattr(module, "act_fn", None)
+    if isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation":
+        return "silu"
+    return type(act_fn).__name__
+
+
+# attribute -> value transformers' experts decorator must have set for the layout this op computes
+_NATIVE_LAYOUT = {
+    "has_gate": True,  # a gate/up projection (not up only)
+    "is_concatenated": True,  # gate rows, then up rows (not interleaved)
+    "is_transposed": False,  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    "has_post_expert_norm": False,
+}
+
+
+class LigerGroupedExperts(nn.Module):
+    """Routed SwiGLU experts on grouped GEMMs that keep only the gate/up output [T*K, 2I] for backward
+    (``liger_dspine.ops.grouped_experts``): torch's grouped GEMM on CUDA, a per-expert loop on CPU.
+
+    Weights as transformers' batched experts: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
+    forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H].
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        _check_silu(getattr(config, "hidden_act", None), "LigerGroupedExperts")
+        self.config = config
+        self.num_experts = _num_experts(config)
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> None:
+        """Turn a transformers experts module (``DeepseekV3Experts``) into this class in place, keeping its weights;
+        a ValueError, and the module unchanged, when it has biases, another activation or another weight layout."""
+        if getattr(module, "has_bias", False) or any(
+            getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
+        ):
+            raise ValueError("liger-dspine: LigerGroupedExperts has no expert biases; this experts module has them")
+        _check_silu(_activation_of(module), "LigerGroupedExperts")
+        for name, expected in _NATIVE_LAYOUT.items():
+            value = getattr(module, name, expected)
+            if value != expected:
+                raise ValueError(f"liger-dspine: LigerGroupedExperts needs {name}={expected}; this module has {value}")
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+            raise ValueError("liger-dspine: LigerGroupedExperts needs gate_up_proj and down_proj weight tensors")
+        num_experts, two_intermediate, hidden = gate_up.shape
+        if two_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, two_intermediate // 2):
+            raise ValueError(
+                f"liger-dspine: LigerGroupedExperts needs gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got "
+                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+            )
+        module.num_experts, module.hidden_dim, module.intermediate_dim = num_experts, hidden, two_intermediate // 2
+        module.__class__ = cls
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if getattr(self, "_is_expert_parallel", False):
+            raise ValueError("liger-dspine: LigerGroupedExperts does not support expert parallelism")
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        index = top_k_index.reshape(-1, top_k_index.shape[-1])
+        weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
+        return grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj).view(shape)

@@ -1,0 +1,250 @@
+"""Routed SwiGLU experts on grouped GEMMs, keeping only the gate/up projection output for backward.
+
+Same math as transformers' batched experts (``DeepseekV3Experts``, gate rows first in ``gate_up_proj``)::
+
+    gate, up = x @ gate_up_proj[e].T  split in halves of I    # [2I] per (token, expert) pair
+    out[t]   = sum_k w[t, k] * (silu(gate) * up) @ down_proj[e].T
+
+The T*K (token, expert) pairs are sorted by expert (S = T*K rows) so that every projection is one grouped GEMM:
+``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` on CUDA, a per-expert ``torch.mm`` loop elsewhere.
+
+transformers' ``grouped_mm`` experts keep four [S, *] tensors for backward: the gathered inputs [S, H], the gate/up
+output [S, 2I], the activation [S, I] and the down output [S, H] (for the routing-weight gradient). This op keeps the
+gate/up output only, plus small integer tensors (the sort permutation and the group offsets), and the hidden states
+and routing weights it was given. Backward recomputes the rest:
+
+- the activation from the gate/up output, the gathered inputs by a gather of the hidden states;
+- with g = grad_out[t] @ down_proj[e] (a grouped GEMM the input gradient needs anyway), the routing-weight gradient
+  is d_w[t, k] = <g, act> over I (no down output needed), and d_act = w[t, k] * g.
+
+GEMMs run in the input dtype (bf16 on GPU: fp32 accumulation inside the GEMM); the SiLU-and-multiply, its
+derivative, the routing-weight products and the sums over the K slots of a token run in fp32, as transformers sums
+its weighted expert outputs in the (fp32) routing-weight dtype. The K slots of a token are summed by gathers in a
+fixed order (no atomics), so forward and backward are deterministic.
+
+Expert ids must lie in [0, E) (no expert-parallel sentinels); the CPU loop checks it, CUDA does not (a host sync).
+"""
+
+import torch
+import torch.nn.functional as F
+from packaging.version import Version
+
+from liger_dspine.ops.gemm_dtype import gemm_dtype
+
+_GEMM_ALIGNMENT_BYTES = 16  # torch's grouped GEMM: 16-byte aligned data pointers and leading strides
+
+
+def torch_grouped_mm_function():
+    """``torch.nn.functional.grouped_mm`` (torch >= 2.10), else ``torch._grouped_mm``, else None; looked up at
+    each call."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def torch_grouped_mm_supported(device: torch.device) -> bool:
+    """Whether torch's grouped GEMM runs on ``device``, by transformers' rule: CUDA only, compute capability 8.0+
+    (9.x for ``torch._grouped_mm`` before torch 2.9). On CPU this op takes the per-expert loop."""
+    if device.type != "cuda" or torch_grouped_mm_function() is None:
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if hasattr(F, "grouped_mm") or Version(torch.__version__).release >= (2, 9):
+        return capability >= (8, 0)
+    return capability[0] == 9
+
+
+def _aligned(dtype: torch.dtype, sizes: tuple[int, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
+    elements = _GEMM_ALIGNMENT_BYTES // dtype.itemsize
+    return all(size % elements == 0 for size in sizes) and all(
+        t.data_ptr() % _GEMM_ALIGNMENT_BYTES == 0 for t in tensors
+    )
+
+
+def use_torch_grouped_mm(
+    hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype: torch.dtype
+) -> bool:
+    """The branch this op takes: torch's grouped GEMM where the device supports it and every operand meets its
+    16-byte alignment (H and I multiples of 16 bytes, weights at aligned addresses), else the per-expert loop (also
+    for no tokens at all)."""
+    if not torch_grouped_mm_supported(hidden_states.device) or hidden_states.shape[0] == 0:
+        return False
+    return _aligned(dtype, (hidden_states.shape[-1], down_proj.shape[-1]), (gate_up_proj, down_proj))
+
+
+def _check_expert_ids(sorted_experts: torch.Tensor, num_experts: int) -> None:
+    if sorted_experts.numel() == 0:
+        return
+    low, high = sorted_experts[[0, -1]].tolist()
+    if low < 0 or high >= num_experts:
+        raise ValueError(f"liger-dspine: grouped experts got expert ids in [{low}, {high}], outside [0, {num_experts})")
+
+
+class ExpertGroups:
+    """The S expert-sorted rows split in E contiguous groups; ``offsets[e]`` is where group e ends (int32, [E]).
+
+    ``use_torch`` picks torch's grouped GEMM; otherwise a per-expert ``torch.mm`` loop over the offsets, read to the
+    host once (one sync), which skips empty groups.
+    """
+
+    def __init__(self, offsets: torch.Tensor, use_torch: bool):
+        self.offsets = offsets
+        self.use_torch = use_torch
+        self.bounds = None
+        if not use_torch:
+            ends = offsets.tolist()
+            self.bounds = list(zip([0] + ends[:-1], ends))
+
+    def rows_mm(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[S, K'] rows, [E, K', N] weights -> [S, N]: each group's rows times its expert's matrix."""
+        if self.use_torch:
+            return torch_grouped_mm_function()(rows, weights, offs=self.offsets)
+        out = rows.new_zeros(rows.shape[0], weights.shape[2])
+        for expert, (start, end) in enumerate(self.bounds):
+            if start < end:
+                torch.mm(rows[start:end], weights[expert], out=out[start:end])
+        return out
+
+    def weight_grad(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """[M, S] and [S, N] -> [E, M, N]: per group, the product over its rows (a weight gradient); zeros for an
+        expert with no rows."""
+        if self.use_torch:
+            out = torch_grouped_mm_function()(left, right, offs=self.offsets)
+            # empty groups are zeros on Hopper, not on every GPU (pytorch/pytorch#172439): zero them explicitly
+            counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
+            return out.masked_fill_((counts == 0)[:, None, None], 0)
+        out = left.new_zeros(len(self.bounds), left.shape[0], right.shape[1])
+        for expert, (start, end) in enumerate(self.bounds):
+            if start < end:
+                torch.mm(left[:, start:end], right[start:end], out=out[expert])
+        return out
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype elementwise math runs in: fp32, or the input's own when wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 (gate = first I columns)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.to(wide(gate.dtype))).mul_(up).to(gate_up.dtype)
+
+
+def silu_mul_backward(gate_up: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
+    """d(silu(gate) * up) / d(gate, up) applied to ``d_act`` [S, I] (fp32): [S, 2I] in gate_up's dtype."""
+    gate, up = gate_up.to(wide(gate_up.dtype)).chunk(2, dim=-1)  # the saved tensor itself if fp32: read only
+    sig = torch.sigmoid(gate)
+    d_up = d_act * gate * sig
+    silu_grad = (1.0 - sig).mul_(gate).add_(1.0).mul_(sig)  # silu'(x) = sig(x) * (1 + x * (1 - sig(x)))
+    d_gate = d_act.mul_(up).mul_(silu_grad)
+    return torch.cat((d_gate, d_up), dim=-1).to(gate_up.dtype)
+
+
+def sum_slots(rows: torch.Tensor, row_of_slot: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H] fp32: sum over k of ``rows[row_of_slot[t, k]]`` (times ``scale[t, k]``), slot by slot in order."""
+    total = rows[row_of_slot[:, 0]].to(wide(rows.dtype))
+    if scale is not None:
+        total.mul_(scale[:, :1])
+    for k in range(1, row_of_slot.shape[1]):
+        if scale is None:
+            total.add_(rows[row_of_slot[:, k]])
+        else:
+            total.addcmul_(rows[row_of_slot[:, k]], scale[:, k : k + 1])
+    return total
+
+
+class GroupedExpertsFunction(torch.autograd.Function):
+    """(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float, gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]) -> [T, H] in hidden_states' dtype."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+        dtype = gemm_dtype(hidden_states, gate_up_proj, "liger-dspine grouped experts")
+        if down_proj.dtype != gate_up_proj.dtype:
+            raise ValueError(
+                f"liger-dspine: grouped experts need one weight dtype; gate_up_proj is {gate_up_proj.dtype} and "
+                f"down_proj is {down_proj.dtype}"
+            )
+        num_tokens, top_k = top_k_index.shape
+        num_experts = gate_up_proj.shape[0]
+        device = hidden_states.device
+        use_torch = use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype)
+
+        with torch.autocast(device.type, enabled=False):
+            # sort the (token, slot) pairs by expert; a stable sort keeps the result independent of the backend
+            sorted_experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+            expert_ids = torch.arange(num_experts, device=device, dtype=sorted_experts.dtype)
+            offsets = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+            if not use_torch:  # the loop syncs with the host anyway
+                _check_expert_ids(sorted_experts, num_experts)
+            row_of_slot = torch.empty_like(perm)  # inverse permutation: sorted row of flat slot t * K + k
+            row_of_slot[perm] = torch.arange(perm.numel(), device=device)
+            groups = ExpertGroups(offsets, use_torch)
+
+            x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
+            gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
+            del x_sorted
+            y = groups.rows_mm(silu_mul(gate_up), down_proj.to(dtype).transpose(1, 2))  # [S, H]
+            out = sum_slots(y, row_of_slot.view(num_tokens, top_k), top_k_weights.to(wide(top_k_weights.dtype)))
+
+        ctx.save_for_backward(
+            hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up
+        )
+        ctx.gemm_dtype = dtype
+        ctx.use_torch = use_torch
+        return out.to(hidden_states.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up = ctx.saved_tensors
+        need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
+        grad_x = grad_weights = grad_gate_up = grad_down = None
+        dtype = ctx.gemm_dtype
+        num_tokens, top_k = top_k_weights.shape
+        token_of_row = perm // top_k
+        slots = row_of_slot.view(num_tokens, top_k)
+
+        with torch.autocast(grad_out.device.type, enabled=False):
+            groups = ExpertGroups(offsets, ctx.use_torch)
+            weight_of_row = top_k_weights.reshape(-1)[perm].to(wide(top_k_weights.dtype))[:, None]  # [S, 1]
+            act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
+            grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
+            if need_down:
+                # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
+                grad_down = groups.weight_grad(grad_sorted.t(), (act * weight_of_row).to(dtype))
+                grad_down = grad_down.to(down_proj.dtype)
+            if not (need_x or need_weights or need_gate_up):
+                return None, None, None, None, grad_down
+
+            g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
+            del grad_sorted
+            if need_weights:
+                # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
+                grad_of_row = torch.linalg.vecdot(g.to(wide(dtype)), act.to(wide(dtype)))
+                grad_weights = grad_of_row[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
+            del act
+            if not (need_x or need_gate_up):
+                return None, None, grad_weights, None, grad_down
+
+            d_gate_up = silu_mul_backward(gate_up, g * weight_of_row)  # [S, 2I], from d act = w * g
+            del g
+            if need_gate_up:
+                x_sorted = hidden_states.to(dtype)[token_of_row]  # [S, H], gathered again
+                grad_gate_up = groups.weight_grad(d_gate_up.t(), x_sorted).to(gate_up_proj.dtype)
+                del x_sorted
+            if need_x:
+                d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
+                del d_gate_up
+                grad_x = sum_slots(d_x_sorted, slots).to(hidden_states.dtype)
+
+        return grad_x, None, grad_weights, grad_gate_up, grad_down
+
+
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: hidden_states [T, H], top_k_index [T, K] (ids in [0, E)), top_k_weights [T, K],
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [T, H]."""
+    return GroupedExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
