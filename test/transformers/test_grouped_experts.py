@@ -162,7 +162,10 @@ def test_matches_transformers_and_reference_fp32(tokens, top_k, num_experts, use
 
 
 @pytest.mark.parametrize("tokens, top_k, num_experts, used", CASES[1:4])
-def test_matches_reference_fp64(tokens, top_k, num_experts, used):
+@pytest.mark.parametrize("piece_rows", (None, 5), ids=("one_piece", "pieces_of_5_rows"))
+def test_matches_reference_fp64(tokens, top_k, num_experts, used, piece_rows, monkeypatch):
+    if piece_rows is not None:  # the fp32 elementwise math in several row pieces, the last one partial
+        monkeypatch.setattr(ops, "_ELEMENTWISE_ROWS", piece_rows)
     native = native_experts(experts_config(num_experts, top_k), dtype=torch.float64)
     index, weights = routing(tokens, top_k, used)
     x = torch.randn(tokens, 32, dtype=torch.float64)

@@ -122,20 +122,53 @@ def wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+# Rows per piece of the fp32 elementwise math: its temporaries stay near 64 MiB per [rows, I] tensor at I = 2048
+# instead of growing with the token count (the MoE backward runs while most activations are still alive).
+_ELEMENTWISE_ROWS = 8192
+
+
+def _row_pieces(rows: int):
+    return [(start, min(start + _ELEMENTWISE_ROWS, rows)) for start in range(0, rows, _ELEMENTWISE_ROWS)]
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 (gate = first I columns)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.to(wide(gate.dtype))).mul_(up).to(gate_up.dtype)
+    act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    for start, end in _row_pieces(gate_up.shape[0]):
+        gate, up = gate_up[start:end].chunk(2, dim=-1)
+        act[start:end] = F.silu(gate.to(wide(gate.dtype))).mul_(up)
+    return act
 
 
-def silu_mul_backward(gate_up: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
-    """d(silu(gate) * up) / d(gate, up) applied to ``d_act`` [S, I] (fp32): [S, 2I] in gate_up's dtype."""
-    gate, up = gate_up.to(wide(gate_up.dtype)).chunk(2, dim=-1)  # the saved tensor itself if fp32: read only
-    sig = torch.sigmoid(gate)
-    d_up = d_act * gate * sig
-    silu_grad = (1.0 - sig).mul_(gate).add_(1.0).mul_(sig)  # silu'(x) = sig(x) * (1 + x * (1 - sig(x)))
-    d_gate = d_act.mul_(up).mul_(silu_grad)
-    return torch.cat((d_gate, d_up), dim=-1).to(gate_up.dtype)
+def silu_mul_backward(gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor) -> torch.Tensor:
+    """d(silu(gate) * up) / d(gate, up) applied to d act = ``weight_of_row`` [S, 1] * ``g`` [S, I], in fp32:
+    [S, 2I] in gate_up's dtype."""
+    d_gate_up = torch.empty_like(gate_up)
+    half = gate_up.shape[1] // 2
+    for start, end in _row_pieces(gate_up.shape[0]):
+        gate, up = gate_up[start:end].to(wide(gate_up.dtype)).chunk(2, dim=-1)  # read only (may be the saved one)
+        d_act = g[start:end].to(wide(g.dtype)).mul_(weight_of_row[start:end])
+        sig = torch.sigmoid(gate)
+        d_gate_up[start:end, half:] = d_act * gate * sig
+        silu_grad = (1.0 - sig).mul_(gate).add_(1.0).mul_(sig)  # silu'(x) = sig(x) * (1 + x * (1 - sig(x)))
+        d_gate_up[start:end, :half] = d_act.mul_(up).mul_(silu_grad)
+    return d_gate_up
+
+
+def scaled_rows(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [S, I] times scale [S, 1], multiplied in fp32 (or wider) and stored in ``dtype``, piece by piece."""
+    out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+    for start, end in _row_pieces(rows.shape[0]):
+        out[start:end] = rows[start:end].to(wide(rows.dtype)) * scale[start:end]
+    return out
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[S, I] x [S, I] -> [S] row-wise dot products in fp32 (or wider), piece by piece."""
+    out = torch.empty(a.shape[0], dtype=wide(a.dtype), device=a.device)
+    for start, end in _row_pieces(a.shape[0]):
+        out[start:end] = torch.linalg.vecdot(a[start:end].to(out.dtype), b[start:end].to(out.dtype))
+    return out
 
 
 def sum_slots(rows: torch.Tensor, row_of_slot: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,7 +242,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
             grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
             if need_down:
                 # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
-                grad_down = groups.weight_grad(grad_sorted.t(), (act * weight_of_row).to(dtype))
+                grad_down = groups.weight_grad(grad_sorted.t(), scaled_rows(act, weight_of_row, dtype))
                 grad_down = grad_down.to(down_proj.dtype)
             if not (need_x or need_weights or need_gate_up):
                 return None, None, None, None, grad_down
@@ -218,13 +251,13 @@ class GroupedExpertsFunction(torch.autograd.Function):
             del grad_sorted
             if need_weights:
                 # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
-                grad_of_row = torch.linalg.vecdot(g.to(wide(dtype)), act.to(wide(dtype)))
+                grad_of_row = row_dot(g, act)
                 grad_weights = grad_of_row[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
             del act
             if not (need_x or need_gate_up):
                 return None, None, grad_weights, None, grad_down
 
-            d_gate_up = silu_mul_backward(gate_up, g * weight_of_row)  # [S, 2I], from d act = w * g
+            d_gate_up = silu_mul_backward(gate_up, g, weight_of_row)  # [S, 2I], from d act = w * g
             del g
             if need_gate_up:
                 x_sorted = hidden_states.to(dtype)[token_of_row]  # [S, H], gathered again
