@@ -3,6 +3,7 @@ from liger_kernel.ops import LigerSiLUMulFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.swiglu_down import liger_swiglu_down
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -18,6 +19,10 @@ class LigerSwiGLUMLP(nn.Module):
 
     Built as ``LigerSwiGLUMLP(config, intermediate_size=None)``, like ``DeepseekV3MLP`` (dense layers and
     shared experts) and ``Qwen3MLP``. x: [..., hidden_size] -> [..., hidden_size].
+
+    The SiLU-mul and ``down_proj`` run as one autograd op that keeps only the gate and up projections for the
+    backward, not their product (one ``[..., intermediate_size]`` activation less per MLP). A ``down_proj`` with
+    a forward of its own (LoRA, quantised, hooked) runs as it is, and the product is kept as before.
     """
 
     def __init__(self, config, intermediate_size: int | None = None):
@@ -37,4 +42,23 @@ class LigerSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_kernel_device(x, "LigerSwiGLUMLP")
-        return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not _runs_plain_linear(self.down_proj):
+            return self.down_proj(LigerSiLUMulFunction.apply(gate, up))
+        if self.down_proj.bias is not None:
+            raise ValueError("liger-dspine: LigerSwiGLUMLP fuses a down_proj without bias; this one has a bias")
+        # gate and up are this forward's own intermediates: the backward may write their gradients over them,
+        # unless a forward hook of gate_proj / up_proj may have kept them
+        in_place = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks)
+        return liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place)
+
+
+def _runs_plain_linear(module: nn.Module) -> bool:
+    """Calling ``module`` is ``F.linear`` with its weight and bias: an ``nn.Linear`` with its own forward, no hooks."""
+    hooks = (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    )
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and not any(hooks)

@@ -1,0 +1,132 @@
+"""SwiGLU fused with the down projection: ``y = (silu(a) * b) @ W^T`` without keeping the product for backward.
+
+``down_proj(LigerSiLUMulFunction.apply(a, b))`` keeps three ``[..., I]`` activations alive until the backward: the
+gate ``a`` and up ``b`` (saved by the SiLU-mul) and the product ``c = silu(a) * b`` (saved by the Linear for the
+weight gradient). This op saves only ``a``, ``b`` and ``W``; the backward recomputes ``c`` with liger-kernel's
+SiLU-mul forward kernel:
+
+    dW = dy^T @ c        (c recomputed, then freed before dc is allocated)
+    dc = dy @ W
+    da, db               liger-kernel's SiLU-mul backward kernel
+
+The GEMMs run in the dtype ``F.linear`` would use (autocast's when it is on, else the inputs', which must match
+the weight); the SiLU-mul kernels run in the dtype of ``a`` and ``b``; dW is returned in the weight's dtype.
+
+liger-kernel's backward kernel writes da and db over its a and b buffers. By default they are copies, so the
+caller's tensors are untouched; with ``in_place=True`` the saved ``a`` and ``b`` themselves are overwritten (two
+fewer ``[..., I]`` buffers at the backward's peak), which is only right when nothing else reads them afterwards.
+"""
+
+import torch
+import torch.nn.functional as F
+from liger_kernel.ops.swiglu import swiglu_backward
+from liger_kernel.ops.swiglu import swiglu_forward
+
+from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.gemm_dtype import gemm_dtype
+
+_WHAT = "SwiGLU down projection"
+
+
+def _silu_mul(gate_rows: torch.Tensor, up_rows: torch.Tensor) -> torch.Tensor:
+    """[N, I] contiguous gate and up -> a new [N, I] ``silu(gate) * up``."""
+    if gate_rows.shape[0] == 0:
+        return torch.empty_like(gate_rows)
+    return swiglu_forward(gate_rows, up_rows)[2]
+
+
+def _overwritable(x: torch.Tensor) -> bool:
+    """An intermediate result of the graph (not a leaf the caller owns, not a view into another tensor)."""
+    return x.grad_fn is not None and x._base is None
+
+
+class LigerSwiGLUDownFunction(torch.autograd.Function):
+    """``(a [..., I], b [..., I], W [H, I], in_place)`` -> ``y [..., H] = (silu(a) * b) @ W^T``."""
+
+    @staticmethod
+    def forward(ctx, gate, up, down_weight, in_place):
+        device_type = gate.device.type
+        dtype = gemm_dtype(gate, down_weight, _WHAT)
+        width = gate.shape[-1]
+        # the kernels read rows of a contiguous buffer; a copy made here is ours to overwrite
+        gate_saved, up_saved = gate.contiguous(), up.contiguous()
+        with torch.autocast(device_type, enabled=False):
+            product = _silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
+            out = F.linear(product.to(dtype), down_weight.to(dtype))
+        del product
+
+        shares_storage = gate_saved.untyped_storage().data_ptr() == up_saved.untyped_storage().data_ptr()
+        ctx.overwrite_gate = in_place and (gate_saved is not gate or _overwritable(gate))
+        ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
+        ctx.overwritten = False
+        ctx.compute_dtype = dtype
+        ctx.save_for_backward(gate_saved, up_saved, down_weight)
+        return out.view(*gate.shape[:-1], down_weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, down_weight = ctx.saved_tensors
+        gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
+        if ctx.overwritten:
+            raise RuntimeError(
+                "LigerSwiGLUDownFunction(in_place=True) can run its backward only once: the saved gate and up "
+                "now hold their gradients. Use in_place=False for retain_graph=True or a second backward."
+            )
+        width, hidden = gate.shape[-1], down_weight.shape[0]
+        gate_rows, up_rows = gate.view(-1, width), up.view(-1, width)
+        dtype = ctx.compute_dtype
+        grad_gate = grad_up = grad_weight = None
+        with torch.autocast(gate.device.type, enabled=False):
+            # grad_out belongs to autograd: only read (reshape / cast make new tensors or views)
+            grad_rows = grad_out.reshape(-1, hidden).to(dtype)
+            if weight_needs_grad:
+                # before the SiLU-mul backward, which may overwrite gate and up
+                product = _silu_mul(gate_rows, up_rows).to(dtype)
+                grad_weight = (grad_rows.t() @ product).to(down_weight.dtype)
+                del product
+            if gate_needs_grad or up_needs_grad:
+                grad_product = (grad_rows @ down_weight.to(dtype)).to(gate.dtype).contiguous()
+                grad_gate_rows = gate_rows if ctx.overwrite_gate else gate_rows.clone()
+                grad_up_rows = up_rows if ctx.overwrite_up else up_rows.clone()
+                ctx.overwritten = ctx.overwrite_gate or ctx.overwrite_up
+                if gate_rows.shape[0]:
+                    swiglu_backward(grad_gate_rows, grad_up_rows, grad_product)
+                del grad_product
+                grad_gate = grad_gate_rows.view(gate.shape) if gate_needs_grad else None
+                grad_up = grad_up_rows.view(up.shape) if up_needs_grad else None
+        return grad_gate, grad_up, grad_weight, None
+
+
+def _check_inputs(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor) -> None:
+    if gate.dim() < 1 or gate.shape != up.shape:
+        raise ValueError(
+            f"{_WHAT}: gate and up must have one shape [..., I], got {tuple(gate.shape)} and {tuple(up.shape)}"
+        )
+    if gate.dtype != up.dtype:
+        raise ValueError(f"{_WHAT}: gate is {gate.dtype} and up is {up.dtype}; they must match")
+    if down_weight.dim() != 2 or down_weight.shape[1] != gate.shape[-1]:
+        raise ValueError(
+            f"{_WHAT}: the weight must be [H, {gate.shape[-1]}] (nn.Linear(I, H).weight), got "
+            f"{tuple(down_weight.shape)}"
+        )
+
+
+def liger_swiglu_down(
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, in_place: bool = False
+) -> torch.Tensor:
+    """``F.linear(F.silu(gate) * up, down_weight)``, saving gate, up and the weight but not their product.
+
+    Args:
+        gate: [..., I] the gate projection's output ``a``.
+        up: [..., I] the up projection's output ``b``, same dtype as ``gate``.
+        down_weight: [H, I] the down projection's weight (no bias); the same dtype as gate and up outside autocast.
+        in_place: let the backward write the gradients of gate and up over the saved gate and up (two fewer
+            ``[..., I]`` buffers at its peak). Only when nothing reads ``gate`` and ``up`` after the backward and
+            the backward runs once (no ``retain_graph``). Leaves and views are never overwritten.
+
+    Returns:
+        [..., H] in the GEMM dtype (autocast's, else the inputs').
+    """
+    _check_inputs(gate, up, down_weight)
+    check_kernel_device(gate, _WHAT)
+    return LigerSwiGLUDownFunction.apply(gate, up, down_weight, in_place)
