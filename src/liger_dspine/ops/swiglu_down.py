@@ -111,6 +111,9 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tenso
         )
 
 
+# torch.compile runs the op as it is (a graph break on each side), as it does liger-kernel's fused loss: the
+# checks of which saved buffers may be overwritten read tensor identities that do not trace.
+@torch.compiler.disable
 def liger_swiglu_down(
     gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
