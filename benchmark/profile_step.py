@@ -29,6 +29,39 @@ def kernel_category(name: str) -> str:
     return "elementwise+copy"
 
 
+def _memory_trace(torch, model, ids) -> None:
+    """Allocated memory and the peak so far when each decoder layer and its attention / MLP block starts and ends,
+    in forward and in backward: where the step's peak happens."""
+    gib = 2**30
+    events = []
+
+    def note(what):
+        events.append((what, torch.cuda.memory_allocated() / gib, torch.cuda.max_memory_allocated() / gib))
+
+    handles = []
+    for name, module in model.named_modules():
+        last = name.split(".")[-1]
+        if not (last in ("self_attn", "mlp", "lm_head") or last.isdigit()):  # layers, their attention and MLP
+            continue
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: note(f"fwd start {name}")))
+        handles.append(module.register_forward_hook(lambda m, a, o, name=name: note(f"fwd end   {name}")))
+        handles.append(module.register_full_backward_pre_hook(lambda m, g, name=name: note(f"bwd start {name}")))
+        handles.append(module.register_full_backward_hook(lambda m, gi, go, name=name: note(f"bwd end   {name}")))
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(input_ids=ids, labels=ids).loss
+    note("after forward")
+    loss.backward()
+    torch.cuda.synchronize()
+    note("after backward")
+    for handle in handles:
+        handle.remove()
+    for p in model.parameters():
+        p.grad = None
+    print("\n## memory trace (GiB: allocated, peak so far)")
+    for what, allocated, peak in events:
+        print(f"{allocated:7.2f} {peak:7.2f}  {what}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", default="dspine")
@@ -37,6 +70,7 @@ def main() -> int:
     parser.add_argument("--options", default="{}")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--no-time", action="store_true", help="memory only: skip the profiled step")
+    parser.add_argument("--memory-trace", action="store_true", help="memory at each layer / block boundary")
     args = parser.parse_args()
 
     import torch
@@ -91,6 +125,8 @@ def main() -> int:
     for (shape, dtype), nbytes in saved.most_common(args.top):
         print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
 
+    if args.memory_trace:
+        _memory_trace(torch, model, ids)
     if args.no_time:
         return 0
     torch.cuda.synchronize()

@@ -93,7 +93,7 @@ for step in "$@"; do
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
-        --impl dspine --layers 2 --seq 16384 --no-time 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
+        --impl dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
     *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | profile)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
