@@ -294,8 +294,12 @@ def test_backward_computes_only_needed_grads(case, monkeypatch):
 
 @CPU_GROUPED_MM
 @pytest.mark.parametrize("tokens, top_k, num_experts, used", CASES[1:])
-def test_torch_grouped_mm_branch_on_cpu(tokens, top_k, num_experts, used, monkeypatch):
-    """The branch CUDA takes (torch's grouped GEMM, its 2-D x 2-D weight-gradient form included), run on CPU."""
+@pytest.mark.parametrize("zero_fill", (False, True), ids=("grouped_mm_zeros", "explicit_zeros"))
+def test_torch_grouped_mm_branch_on_cpu(tokens, top_k, num_experts, used, zero_fill, monkeypatch):
+    """The branch CUDA takes (torch's grouped GEMM, its 2-D x 2-D weight-gradient form included), run on CPU;
+    empty experts' gradients are zeros from the GEMM itself or from the explicit fill other GPUs get."""
+    if zero_fill:
+        monkeypatch.setattr(ops, "_empty_groups_are_zeros", lambda device: False)
     native = native_experts(experts_config(num_experts, top_k))
     index, weights = routing(tokens, top_k, used)
     x = torch.randn(tokens, 32)

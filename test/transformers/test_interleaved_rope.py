@@ -348,9 +348,13 @@ def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope
         torch.testing.assert_close(g, w, **FP32, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_recompute_attention_keeps_less_for_backward(device):
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_recompute_attention_keeps_less_for_backward(device, with_cache):
     """The recomputing class keeps at least the per-head query, key and value less for backward than the plain
-    one (unique storages of the tensors autograd saves, parameters excluded), and its backward still runs."""
+    one (unique storages of the tensors autograd saves, parameters excluded), and its backward still runs; also
+    with the cache transformers' models make in training (use_cache defaults to True)."""
+    if with_cache and not liger_attention.LATENT_CACHE:
+        pytest.skip("transformers < 5.17 caches expanded keys: no recompute with a cache")
     config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
     batch, seq_len, heads = 1, 6, config.num_attention_heads
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
@@ -368,8 +372,9 @@ def test_recompute_attention_keeps_less_for_backward(device):
                 storages[ptr] = t.untyped_storage().nbytes()
             return t
 
+        cache = DynamicCache(config=config) if with_cache else None
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _run_attention(module, hidden, cos, sin, mask)
+            out = _run_attention(module, hidden, cos, sin, mask, cache=cache)
         out.sum().backward()
         assert all(p.grad is not None for p in module.parameters())
         return sum(storages.values())

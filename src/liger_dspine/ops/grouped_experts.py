@@ -77,6 +77,12 @@ def _check_expert_ids(sorted_experts: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"liger-dspine: grouped experts got expert ids in [{low}, {high}], outside [0, {num_experts})")
 
 
+def _empty_groups_are_zeros(device: torch.device) -> bool:
+    """torch's grouped GEMM writes zeros for empty groups of the 2-D x 2-D form on Hopper (compute capability 9.x)
+    and on CPU."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
+
+
 class ExpertGroups:
     """The S expert-sorted rows split in E contiguous groups; ``offsets[e]`` is where group e ends (int32, [E]).
 
@@ -107,9 +113,12 @@ class ExpertGroups:
         expert with no rows."""
         if self.use_torch:
             out = torch_grouped_mm_function()(left, right, offs=self.offsets)
-            # empty groups are zeros on Hopper, not on every GPU (pytorch/pytorch#172439): zero them explicitly
-            counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
-            return out.masked_fill_((counts == 0)[:, None, None], 0)
+            if not _empty_groups_are_zeros(out.device):
+                # pytorch/pytorch#172439: on other GPUs, zero the empty groups' gradients explicitly (a pass over
+                # the whole [E, M, N] gradient, about 1 ms for DeepSeek-V3's gate/up at 16 experts)
+                counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
+                out.masked_fill_((counts == 0)[:, None, None], 0)
+            return out
         out = left.new_zeros(len(self.bounds), left.shape[0], right.shape[1])
         for expert, (start, end) in enumerate(self.bounds):
             if start < end:

@@ -82,10 +82,21 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         kv_nope = self.kv_a_layernorm(kv_nope)
         k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
 
-        def core(q_latent, kv_nope, k_rot):
-            return self._liger_attention_core(q_latent, kv_nope, k_rot, cos, sin, attention_mask, cache, kwargs)
+        key_angles = (cos, sin)
+        if LATENT_CACHE and cache is not None:
+            # The cache takes the turned rope key and returns every position's latents (outside any recompute).
+            kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs)
+            key_angles = (None, None)
 
-        if self.recompute_core and cache is None and torch.is_grad_enabled():
+        def core(q_latent, kv_nope, k_rot):
+            return self._liger_attention_core(
+                q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs
+            )
+
+        # transformers' models make a cache in training too (use_cache defaults to True): with latents in it the
+        # core is still recomputable; an expanded-key cache (transformers < 5.17) is updated inside the core.
+        recomputable = cache is None or LATENT_CACHE
+        if self.recompute_core and recomputable and torch.is_grad_enabled():
             attn_output, attn_weights = checkpoint(core, q_latent, kv_nope, k_rot, use_reentrant=False)
         else:
             attn_output, attn_weights = core(q_latent, kv_nope, k_rot)
@@ -93,7 +104,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
-    def _liger_attention_core(self, q_latent, kv_nope, k_rot, cos, sin, attention_mask, cache, kwargs):
+    def _liger_attention_core(self, q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs):
         """From the latents to the attention output [B, S, H, v_head_dim] and the attention weights (or None)."""
         from liger_dspine.ops.interleaved_rope import liger_mla_query
 
@@ -104,7 +115,11 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
 
         if LATENT_CACHE:
-            key_states, value_states = self._liger_latent_key_value(kv_nope, k_rot, cos, sin, cache, kwargs)
+            from liger_dspine.ops.interleaved_rope import liger_mla_key
+
+            # key_angles (None, None): k_rot came out of the cache already turned
+            kv_heads = self._liger_kv_heads(kv_nope.view(batch_size, 1, -1, self.kv_lora_rank))
+            key_states, value_states = liger_mla_key(kv_heads, k_rot, *key_angles, self.qk_nope_head_dim)
         else:
             key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache)
 
@@ -135,22 +150,17 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         batch_size, length = kv.shape[0], kv.shape[-2]
         return kv.view(batch_size, length, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
 
-    def _liger_latent_key_value(self, kv_nope, k_rot, cos, sin, cache, kwargs):
-        """transformers >= 5.17: the cache stores (kv_nope [B, 1, L, kv_lora_rank], turned k_rot [B, 1, L, R])."""
+    def _liger_cache_latents(self, kv_nope, k_rot, cos, sin, cache, kwargs):
+        """transformers >= 5.17: the cache stores (kv_nope [B, 1, L, kv_lora_rank], turned k_rot [B, 1, L, R]);
+        returns both for every cached position."""
         from liger_dspine.ops.interleaved_rope import liger_interleaved_rope_single
-        from liger_dspine.ops.interleaved_rope import liger_mla_key
 
         batch_size, _, seq_length, _ = k_rot.shape
         kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
-        if cache is None:
-            # Training: the turn of k_rot happens inside the key assembly.
-            return liger_mla_key(self._liger_kv_heads(kv_nope), k_rot, cos, sin, self.qk_nope_head_dim)
         k_rot = liger_interleaved_rope_single(k_rot, cos, sin)
         if _CACHE_UPDATE_TAKES_KWARGS:
-            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
-        else:
-            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)
-        return liger_mla_key(self._liger_kv_heads(kv_nope), k_rot, None, None, self.qk_nope_head_dim)
+            return cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
+        return cache.update(kv_nope, k_rot, self.layer_idx)
 
     def _liger_expanded_key_value(self, kv_nope, k_rot, cos, sin, cache):
         """transformers < 5.17: the cache stores the expanded key [B, H, L, nope + R] and value [B, H, L, v]."""
