@@ -148,6 +148,24 @@ def test_mla_query_matches_split_rope_cat(device, layout, nope):
     torch.testing.assert_close(got, want, **FP32)
 
 
+@pytest.mark.parametrize("nope", [0, 8])
+def test_mla_query_backward_in_the_gradient_it_gets(device, nope):
+    """A query gradient laid out like q_states ([B, S, H, D] memory, as attention kernels give it) is turned in
+    place and handed on: same numbers as the native split / rope / cat."""
+    batch, heads, seq_len, rope_dim = 2, 3, 9, 8
+    torch.manual_seed(10 + nope)
+    cos, sin = _cos_sin(rope_dim, _position_ids("packed", batch, seq_len), device)
+    q_states = torch.randn(batch, seq_len, heads * (nope + rope_dim), device=device, requires_grad=True)
+    q_view = q_states.view(batch, seq_len, heads, nope + rope_dim).transpose(1, 2)
+    grad = torch.randn(batch, seq_len, heads, nope + rope_dim, device=device).transpose(1, 2)
+
+    (want,) = torch.autograd.grad(_native_query(q_view, cos, sin, rope_dim), q_states, grad)
+    incoming = grad.clone(memory_format=torch.preserve_format)
+    (got,) = torch.autograd.grad(liger_mla_query(q_view, cos, sin, rope_dim), q_states, incoming)
+    torch.testing.assert_close(got, want, **FP32)
+    assert got.untyped_storage().data_ptr() == incoming.untyped_storage().data_ptr()  # no new full-size buffer
+
+
 @pytest.mark.parametrize("rotate", [True, False])
 def test_mla_key_matches_expand_kv(device, rotate):
     batch, heads, seq_len, nope, v_dim, rope_dim, lora = 2, 3, 7, 8, 12, 8, 16

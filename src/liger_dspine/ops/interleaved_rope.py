@@ -395,6 +395,25 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         nope = ctx.nope
         grad_query = _last_dim_unit(grad_query)
         batch, heads, seq_len, _ = grad_query.shape
+        if (tuple(grad_query.shape), grad_query.stride()) == ctx.grad_layout:
+            # The incoming gradient already has q_states' layout (attention kernels give it the query's): the
+            # pass columns are right as they are, only the rope columns are turned back, through a buffer of
+            # their size, instead of a new gradient of the whole query.
+            rope = grad_query[..., nope:]
+            turned = torch.empty(rope.shape, dtype=rope.dtype, device=rope.device)
+            _launch(
+                batch=batch,
+                seq_len=seq_len,
+                num_heads=heads,
+                rot_src=rope,
+                rot_dst=turned,
+                cos=cos,
+                sin=sin,
+                inverse=True,
+                rot_mode=_ROT_PER_HEAD,
+            )
+            rope.copy_(turned)
+            return grad_query, None, None, None
         grad_q = _empty_like_layout(*ctx.grad_layout, grad_query)
         _launch(
             batch=batch,

@@ -109,11 +109,8 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         from liger_dspine.ops.interleaved_rope import liger_mla_query
 
         batch_size, seq_length = q_latent.shape[:-1]
-        q_states = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
-        # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
-        q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
-        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
-
+        # Key and value first, then the query: the backward runs in the opposite order, so the query gradient
+        # (turned in place) is consumed by q_b_proj before the key backward allocates the kv_b_proj gradient.
         if LATENT_CACHE:
             from liger_dspine.ops.interleaved_rope import liger_mla_key
 
@@ -122,6 +119,11 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
             key_states, value_states = liger_mla_key(kv_heads, k_rot, *key_angles, self.qk_nope_head_dim)
         else:
             key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache)
+
+        q_states = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
+        # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
+        q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
+        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
 
         pad_value = not LATENT_CACHE and self.qk_head_dim != self.v_head_dim and _flash_pads_value(self.config)
         if pad_value:
