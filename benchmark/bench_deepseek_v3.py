@@ -196,6 +196,7 @@ def run_child(job: Job, timeout: float, args) -> list[dict]:
         warmup=args.warmup,
         steps=args.steps,
         time_budget_s=timeout - 10,
+        sweep_start=args.sweep_start,
     )
     command = [sys.executable, os.path.abspath(__file__)]
     command += [item for key, value in flags.items() for item in (f"--{key.replace('_', '-')}", str(value))]
@@ -220,7 +221,7 @@ def run_child(job: Job, timeout: float, args) -> list[dict]:
     if status and not any(r["status"] != "ok" for r in rows):
         seq = job.seq
         if job.kind == "max_seq":  # where the sweep was when it stopped
-            sweep = _sweep(args.tiny)
+            sweep = _sweep(args)
             seq = max(r["seq"] for r in rows) + sweep["step"] if rows else sweep["start"]
         rows.append(_job_row(job, seq=seq, status=status))
     return rows
@@ -335,7 +336,7 @@ class ChildBench:
     def max_seq(self, base: dict) -> None:
         """2 layers, one timed step per sequence length: doubling from the sweep's start until out of memory, then
         bisection on the sweep's step between the longest length that ran and the shortest that did not."""
-        sweep = _sweep(self.args.tiny)
+        sweep = _sweep(self.args)
         step = sweep["step"]
         state = dict(model=None, config=None, base=base, last=None)  # last: (seq, step seconds)
         fits, fails = None, None
@@ -507,8 +508,11 @@ def _apply_patch(impl: str, options: dict) -> None:
         logger.info("liger-dspine patch applied (%s): %s", options or "defaults", report)
 
 
-def _sweep(tiny: bool) -> dict:
-    return TINY_SWEEP if tiny else SWEEP
+def _sweep(args) -> dict:
+    sweep = dict(TINY_SWEEP if args.tiny else SWEEP)
+    if args.sweep_start:  # a known-good length: the doubling starts there (saves the short, fast-growing steps)
+        sweep["start"] = args.sweep_start
+    return sweep
 
 
 def _emit(path: str, row: dict) -> None:
@@ -526,6 +530,7 @@ def parse_args(argv=None):
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of hf, liger, dspine")
     parser.add_argument("--shapes", default="2x4096", help="--suite custom: LAYERSxSEQ,... e.g. 2x4096,8x4096")
     parser.add_argument("--max-seq", action="store_true", help="--suite custom: add the longest-sequence sweep")
+    parser.add_argument("--sweep-start", type=int, default=0, help="first length of the sweep (default 32768)")
     parser.add_argument("--options", default="{}", help="dspine patch options as JSON, e.g. '{\"swiglu\": false}'")
     parser.add_argument(
         "--variant",

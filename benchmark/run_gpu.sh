@@ -2,7 +2,7 @@
 # Tests and benchmark on the GPU machine, in one command of at most 10 minutes; logs, CSVs and plots go to $OUT.
 #
 #   bash benchmark/run_gpu.sh STEP...
-#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | profile
+#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | profile
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). Every step runs under `timeout`
 # inside one budget for the whole script, so the command ends in time and $OUT holds what finished.
@@ -88,13 +88,16 @@ for step in "$@"; do
     # the opt-in memory saver at the lengths of the memory goals
     bench-optin) run_bench --suite custom --impls "" --shapes 2x16384,2x32768 --name optin \
       --variant 'dspine_recompute={"recompute_attention": true}' ;;
+    # the longest sequence of liger-kernel and liger-dspine (defaults and the opt-in), from a length all of them fit
+    bench-sweep) run_bench --suite custom --impls liger,dspine --shapes "" --max-seq --sweep-start 131072 \
+      --name sweep --variant 'dspine_recompute={"recompute_attention": true}' ;;
     # where the time (8 layers / 4096) and the memory (2 layers / 16384) of a liger-dspine step go
     profile)
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | profile)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | profile)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done
