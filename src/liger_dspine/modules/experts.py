@@ -3,15 +3,8 @@ from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
-from liger_dspine.modules.swiglu import check_activation
-
-
-def _num_experts(config) -> int:
-    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    raise ValueError("liger-dspine: the config names no expert count (n_routed_experts / num_local_experts)")
+from liger_dspine.modules.config_reading import check_activation
+from liger_dspine.modules.config_reading import expert_sizes
 
 
 class LigerFusedExperts(nn.Module):
@@ -24,9 +17,7 @@ class LigerFusedExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         check_activation(config, "LigerFusedExperts")
-        self.num_experts = _num_experts(config)
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
 

@@ -1,23 +1,9 @@
 import torch
 from torch import nn
 
+from liger_dspine.modules.config_reading import check_silu
+from liger_dspine.modules.config_reading import expert_sizes
 from liger_dspine.ops.grouped_experts import grouped_experts
-
-# activation names transformers' ACT2FN maps to SiLU
-SILU_NAMES = ("silu", "swish")
-
-
-def _num_experts(config) -> int:
-    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    raise ValueError("liger-dspine: the config names no expert count (n_routed_experts / num_local_experts)")
-
-
-def _check_silu(act, what: str) -> None:
-    if act not in SILU_NAMES:
-        raise ValueError(f"liger-dspine: {what} computes silu(gate) * up only; the experts' activation is {act!r}")
 
 
 def _activation_of(module: nn.Module) -> str | None:
@@ -50,11 +36,9 @@ class LigerGroupedExperts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        _check_silu(getattr(config, "hidden_act", None), "LigerGroupedExperts")
+        check_silu(getattr(config, "hidden_act", None), "LigerGroupedExperts")
         self.config = config
-        self.num_experts = _num_experts(config)
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
 
@@ -66,7 +50,7 @@ class LigerGroupedExperts(nn.Module):
             getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
         ):
             raise ValueError("liger-dspine: LigerGroupedExperts has no expert biases; this experts module has them")
-        _check_silu(_activation_of(module), "LigerGroupedExperts")
+        check_silu(_activation_of(module), "LigerGroupedExperts")
         for name, expected in _NATIVE_LAYOUT.items():
             value = getattr(module, name, expected)
             if value != expected:

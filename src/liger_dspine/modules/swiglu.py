@@ -3,15 +3,8 @@ from liger_kernel.ops import LigerSiLUMulFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.modules.config_reading import check_activation
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
-
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
-
-
-def check_activation(config, what: str) -> None:
-    act = getattr(config, "hidden_act", None)
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"liger-dspine: {what} fuses SiLU only; config.hidden_act is {act!r}")
 
 
 class LigerSwiGLUMLP(nn.Module):

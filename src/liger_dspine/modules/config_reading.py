@@ -1,0 +1,29 @@
+"""What the Liger modules read from a model config: the activation they fuse and the routed experts' sizes.
+
+Imports no Triton, so modules without kernels of their own (the grouped-GEMM experts) can use it too.
+"""
+
+# activation names transformers' ACT2FN maps to SiLU
+SILU_ACTIVATIONS = ("silu", "swish")
+
+
+def check_silu(activation, what: str) -> None:
+    """A ValueError naming the activation unless it is SiLU: ``what`` computes ``silu(gate) * up`` only."""
+    if activation not in SILU_ACTIVATIONS:
+        raise ValueError(f"liger-dspine: {what} computes silu(gate) * up only; the activation is {activation!r}")
+
+
+def check_activation(config, what: str) -> None:
+    check_silu(getattr(config, "hidden_act", None), what)
+
+
+def expert_sizes(config) -> tuple[int, int, int]:
+    """(routed experts E, hidden H, expert width I) of a MoE config."""
+    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
+        num_experts = getattr(config, name, None)
+        if num_experts is not None:
+            break
+    else:
+        raise ValueError("liger-dspine: the config names no expert count (n_routed_experts / num_local_experts)")
+    intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return num_experts, config.hidden_size, intermediate
