@@ -227,16 +227,14 @@ class GroupedExpertsFunction(torch.autograd.Function):
             y = groups.rows_mm(silu_mul(gate_up), down_proj.to(dtype).transpose(1, 2))  # [S, H]
             out = sum_slots(y, row_of_slot.view(num_tokens, top_k), top_k_weights.to(wide(top_k_weights.dtype)))
 
-        ctx.save_for_backward(
-            hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up
-        )
+        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
         ctx.gemm_dtype = dtype
-        ctx.use_torch = use_torch
+        ctx.groups = groups  # the backward's grouped GEMMs use the same groups (the loop's bounds read once)
         return out.to(hidden_states.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up = ctx.saved_tensors
+        hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = ctx.saved_tensors
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
         grad_x = grad_weights = grad_gate_up = grad_down = None
         dtype = ctx.gemm_dtype
@@ -245,7 +243,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
         slots = row_of_slot.view(num_tokens, top_k)
 
         with torch.autocast(grad_out.device.type, enabled=False):
-            groups = ExpertGroups(offsets, ctx.use_torch)
+            groups = ctx.groups
             weight_of_row = top_k_weights.reshape(-1)[perm].to(wide(top_k_weights.dtype))[:, None]  # [S, 1]
             act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
             grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
