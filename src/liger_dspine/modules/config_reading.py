@@ -14,7 +14,10 @@ def check_silu(activation, what: str) -> None:
 
 
 def check_activation(config, what: str) -> None:
-    check_silu(getattr(config, "hidden_act", None), what)
+    """``check_silu`` of ``config.hidden_act``, naming that field."""
+    activation = getattr(config, "hidden_act", None)
+    if activation not in SILU_ACTIVATIONS:
+        raise ValueError(f"liger-dspine: {what} fuses SiLU only; config.hidden_act is {activation!r}")
 
 
 def expert_sizes(config) -> tuple[int, int, int]:
