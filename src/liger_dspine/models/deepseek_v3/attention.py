@@ -88,15 +88,17 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
             kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs)
             key_angles = (None, None)
 
-        def core(q_latent, kv_nope, k_rot):
+        def core(q_latent, kv_nope, k_rot, q_weight=None, kv_weight=None):
             return self._liger_attention_core(
-                q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs
+                q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs, q_weight, kv_weight
             )
 
         # transformers' models make a cache in training too (use_cache defaults to True): with latents in it the
         # core is still recomputable; an expanded-key cache (transformers < 5.17) is updated inside the core.
         recomputable = cache is None or LATENT_CACHE
         if self.recompute_core and recomputable and torch.is_grad_enabled():
+            if self._liger_head_groups_apply():
+                return self._liger_head_grouped(q_latent, kv_nope, k_rot, core), None
             attn_output, attn_weights = checkpoint(core, q_latent, kv_nope, k_rot, use_reentrant=False)
         else:
             attn_output, attn_weights = core(q_latent, kv_nope, k_rot)
@@ -104,8 +106,14 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
-    def _liger_attention_core(self, q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs):
-        """From the latents to the attention output [B, S, H, v_head_dim] and the attention weights (or None)."""
+    def _liger_attention_core(
+        self, q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs, q_weight, kv_weight
+    ):
+        """From the latents to the attention output [B, S, H, v_head_dim] and the attention weights (or None).
+
+        ``q_weight`` / ``kv_weight``: rows of the query / key-value up-projections of some heads, which then run
+        alone (head-grouped recompute); None: the modules' own projections, every head.
+        """
         from liger_dspine.ops.interleaved_rope import liger_mla_query
 
         batch_size, seq_length = q_latent.shape[:-1]
@@ -115,12 +123,15 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
             from liger_dspine.ops.interleaved_rope import liger_mla_key
 
             # key_angles (None, None): k_rot came out of the cache already turned
-            kv_heads = self._liger_kv_heads(kv_nope.view(batch_size, 1, -1, self.kv_lora_rank))
+            kv_heads = self._liger_kv_heads(kv_nope.view(batch_size, 1, -1, self.kv_lora_rank), kv_weight)
             key_states, value_states = liger_mla_key(kv_heads, k_rot, *key_angles, self.qk_nope_head_dim)
         else:
             key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache)
 
-        q_states = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
+        if q_weight is not None:
+            q_states = F.linear(q_latent, q_weight)
+        else:
+            q_states = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
         # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
         q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
         query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
@@ -146,9 +157,35 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
             attn_output = attn_output[:, :, :, : self.v_head_dim]
         return attn_output, attn_weights
 
-    def _liger_kv_heads(self, kv_latent: torch.Tensor) -> torch.Tensor:
-        """kv_latent [B, (1,) L, kv_lora_rank] -> kv_b_proj output viewed [B, H, L, nope + v] (no copy)."""
-        kv = self.kv_b_proj(kv_latent)
+    def _liger_head_groups_apply(self) -> bool:
+        """Whether the recompute can run by head groups: latents in the cache (if any), bias-free plain Linear
+        up- and output projections (their rows are sliced), no attention dropout and an attention that returns
+        no weights (eager's would be lost); otherwise the core is checkpointed whole."""
+        q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (q_proj, self.kv_b_proj, self.o_proj))
+        dropout = self.attention_dropout if self.training else 0.0
+        eager = self.config._attn_implementation in (None, "eager")
+        return LATENT_CACHE and plain and dropout == 0.0 and not eager
+
+    def _liger_head_grouped(self, q_latent, kv_nope, k_rot, core) -> torch.Tensor:
+        """``o_proj`` output [B, S, hidden] of :class:`HeadGroupedAttention`: only the latents are kept."""
+        from liger_dspine.models.deepseek_v3.head_groups import HeadGroupedAttention
+        from liger_dspine.models.deepseek_v3.head_groups import heads_per_group
+
+        q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        kv_width = self.qk_nope_head_dim + self.v_head_dim
+        widths = (self.num_heads, self.qk_head_dim, kv_width, self.v_head_dim)
+        per_token_head = (2 * self.qk_head_dim + 2 * self.v_head_dim) * q_latent.element_size()
+        group = heads_per_group(self.num_heads, q_latent.shape[:-1].numel(), per_token_head)
+        run_group = lambda *args: core(*args)[0]  # noqa: E731
+        return HeadGroupedAttention.apply(
+            run_group, widths, group, q_latent, kv_nope, k_rot, q_proj.weight, self.kv_b_proj.weight, self.o_proj.weight
+        )
+
+    def _liger_kv_heads(self, kv_latent: torch.Tensor, kv_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_latent [B, (1,) L, kv_lora_rank] -> kv_b_proj output (or that of ``kv_weight``'s rows) viewed
+        [B, H, L, nope + v] (no copy)."""
+        kv = self.kv_b_proj(kv_latent) if kv_weight is None else F.linear(kv_latent, kv_weight)
         batch_size, length = kv.shape[0], kv.shape[-2]
         return kv.view(batch_size, length, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
 

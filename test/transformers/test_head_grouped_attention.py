@@ -1,0 +1,169 @@
+"""``recompute_attention``'s head-grouped recompute against transformers' DeepSeek-V3 attention.
+
+The recompute walks the heads a group at a time in both passes; the group size is set small here (one head, and
+groups that do not divide the head count) so that the grouping, not a single group, is what gets compared.
+"""
+
+import pytest
+import torch
+from test_interleaved_rope import FP32
+from test_interleaved_rope import _attention_config
+from test_interleaved_rope import _attention_pair
+from test_interleaved_rope import _causal_mask
+from test_interleaved_rope import _cos_sin
+from test_interleaved_rope import _grads
+from test_interleaved_rope import _position_ids
+from test_interleaved_rope import _run_attention
+from transformers.cache_utils import DynamicCache
+
+from liger_dspine.models.deepseek_v3 import attention as liger_attention
+from liger_dspine.models.deepseek_v3 import head_groups
+from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
+from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3RecomputeAttention
+
+# The latents' gradients sum the heads group by group: fp32 rounding of another summation order.
+GROUPED = dict(atol=1e-5, rtol=1e-4)
+
+pytestmark = pytest.mark.skipif(
+    not liger_attention.LATENT_CACHE, reason="head-grouped recompute needs the latent cache (transformers >= 5.17)"
+)
+
+
+def _group_bytes_for(heads: int, config, tokens: int, element_size: int = 4) -> int:
+    return heads * tokens * (2 * config.qk_head_dim + 2 * config.v_head_dim) * element_size
+
+
+def _inputs(config, device, batch, seq_len, layout="packed"):
+    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
+    cos, sin = _cos_sin(config.qk_rope_head_dim, _position_ids(layout, batch, seq_len), device)
+    return hidden, cos, sin, _causal_mask(batch, seq_len, seq_len, device)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, with_cache):
+    config = _attention_config(q_lora_rank, "sdpa")
+    batch, seq_len = 2, 9
+    # the largest power of two under the budget: 3 -> groups of 2, 2 (the head count is 4); 1 and 4 as they are
+    monkeypatch.setattr(head_groups, "_GROUP_BYTES", _group_bytes_for(group, config, batch * seq_len))
+    native, liger = _attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
+    assert liger._liger_head_groups_apply()
+    hidden, cos, sin, mask = _inputs(config, device, batch, seq_len)
+
+    cache = DynamicCache(config=config) if with_cache else None
+    out = _run_attention(liger, hidden, cos, sin, mask, cache=cache)
+    assert type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward"
+    ref = _run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
+    torch.testing.assert_close(out, ref, **FP32)
+
+    grad = torch.randn_like(ref)
+    got = _grads([out], [hidden, *liger.parameters()], [grad])
+    want = _grads([ref], [hidden, *native.parameters()], [grad])
+    names = ["hidden_states"] + [name for name, _ in native.named_parameters()]
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g, w, **GROUPED, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_heads_per_group_is_a_power_of_two_under_the_budget(monkeypatch):
+    monkeypatch.setattr(head_groups, "_GROUP_BYTES", 1000)
+    assert head_groups.heads_per_group(num_heads=128, tokens=10, per_token_head_bytes=10) == 8  # 10 fit
+    assert head_groups.heads_per_group(num_heads=4, tokens=10, per_token_head_bytes=10) == 4  # capped at H
+    assert head_groups.heads_per_group(num_heads=128, tokens=1000, per_token_head_bytes=10) == 1  # none fit: one
+    # DeepSeek-V3 widths in bf16 with the shipped budget: 16384 tokens -> 8 heads a group, 4096 -> 32
+    monkeypatch.undo()
+    per_token_head = (2 * 192 + 2 * 128) * 2
+    assert head_groups.heads_per_group(128, 16384, per_token_head) == 8
+    assert head_groups.heads_per_group(128, 4096, per_token_head) == 32
+
+
+def test_head_grouped_keeps_only_latents(device):
+    """Nothing per head is kept for backward: against the plain class, the saved tensors shrink by at least the
+    query, key, value and attention output (``o_proj``'s input) of every head."""
+    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    batch, seq_len, heads = 1, 6, config.num_attention_heads
+    hidden, cos, sin, mask = _inputs(config, device, batch, seq_len, layout="contiguous")
+
+    def saved_bytes(liger_class):
+        _, module = _attention_pair(config, device, liger_class)
+        parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in parameters:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = _run_attention(module, hidden, cos, sin, mask)
+        out.sum().backward()
+        assert all(p.grad is not None for p in module.parameters())
+        return sum(storages.values())
+
+    per_head = batch * heads * seq_len * (2 * config.qk_head_dim + 2 * config.v_head_dim) * hidden.element_size()
+    assert saved_bytes(LigerDeepseekV3Attention) - saved_bytes(LigerDeepseekV3RecomputeAttention) >= per_head
+
+
+def _wrapped_linear(linear):
+    class Adapter(torch.nn.Module):  # stands for a LoRA-style wrapper: not a plain Linear
+        def __init__(self):
+            super().__init__()
+            self.base = linear
+            self.weight = linear.weight
+            self.bias = None
+
+        def forward(self, x):
+            return self.base(x)
+
+    return Adapter()
+
+
+@pytest.mark.parametrize("case", ["eager", "dropout", "wrapped_o_proj"])
+def test_other_set_ups_checkpoint_the_whole_core(device, case):
+    """Where the heads cannot be grouped (eager attention returns weights, dropout draws random numbers, a
+    projection is not a plain Linear), the core is checkpointed whole and still matches the native module."""
+    config = _attention_config(12, "eager" if case == "eager" else "sdpa")
+    native, liger = _attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
+    if case == "dropout":
+        liger.attention_dropout = 0.5  # random masks differ between the passes: only the rule is checked
+        assert not liger._liger_head_groups_apply()
+        liger.eval()
+        assert liger._liger_head_groups_apply()  # no dropout outside training
+        return
+    if case == "wrapped_o_proj":
+        native.o_proj, liger.o_proj = _wrapped_linear(native.o_proj), _wrapped_linear(liger.o_proj)
+    assert not liger._liger_head_groups_apply()
+    hidden, cos, sin, mask = _inputs(config, device, 2, 7)
+    out = _run_attention(liger, hidden, cos, sin, mask)
+    assert type(out.grad_fn).__name__ != "HeadGroupedAttentionBackward"
+    ref = _run_attention(native, hidden, cos, sin, mask)
+    torch.testing.assert_close(out, ref, **FP32)
+    grad = torch.randn_like(ref)
+    got = _grads([out], [hidden, *liger.parameters()], [grad])
+    want = _grads([ref], [hidden, *native.parameters()], [grad])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **FP32)
+
+
+@pytest.mark.cuda
+def test_head_grouped_under_autocast_matches_plain_class(monkeypatch):
+    """fp32 weights under bf16 autocast (mixed-precision training): the backward recomputes with the forward's
+    casts, and the gradients come back in the weights' dtype, close to the non-recomputing class."""
+    config = _attention_config(12, "sdpa")
+    batch, seq_len = 2, 33
+    monkeypatch.setattr(head_groups, "_GROUP_BYTES", _group_bytes_for(1, config, batch * seq_len, 2))
+    plain, liger = _attention_pair(config, "cuda", LigerDeepseekV3RecomputeAttention)
+    plain.__class__ = LigerDeepseekV3Attention
+    hidden, cos, sin, mask = _inputs(config, "cuda", batch, seq_len)
+    results = []
+    for module in (liger, plain):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = _run_attention(module, hidden, cos, sin, mask)
+        results.append((out, _grads([out.float()], [hidden, *module.parameters()], [torch.ones_like(out).float()])))
+    (out, got), (ref, want) = results
+    assert type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward"
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
