@@ -42,18 +42,23 @@ def _inputs(config, device, batch, seq_len, layout="packed"):
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
 @pytest.mark.parametrize("with_cache", [False, True])
-def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, with_cache):
+@pytest.mark.parametrize("liger_class", [LigerDeepseekV3RecomputeAttention, LigerDeepseekV3Attention])
+def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, with_cache, liger_class):
+    """Both modes: the recompute, and the plain class's kept per-group graphs (long sequences)."""
     config = _attention_config(q_lora_rank, "sdpa")
     batch, seq_len = 2, 9
     # the largest power of two under the budget: 3 -> groups of 2, 2 (the head count is 4); 1 and 4 as they are
-    monkeypatch.setattr(head_groups, "_GROUP_BYTES", _group_bytes_for(group, config, batch * seq_len))
-    native, liger = _attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
+    budget = _group_bytes_for(group, config, batch * seq_len)
+    monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", budget)
+    monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", budget)
+    native, liger = _attention_pair(config, device, liger_class)
     assert liger._liger_head_groups_apply()
     hidden, cos, sin, mask = _inputs(config, device, batch, seq_len)
 
     cache = DynamicCache(config=config) if with_cache else None
     out = _run_attention(liger, hidden, cos, sin, mask, cache=cache)
-    assert type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward"
+    grouped = liger_class is LigerDeepseekV3RecomputeAttention or group < config.num_attention_heads
+    assert (type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward") == grouped
     ref = _run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
     torch.testing.assert_close(out, ref, **FP32)
 
@@ -65,16 +70,31 @@ def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, wi
         torch.testing.assert_close(g, w, **GROUPED, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_heads_per_group_is_a_power_of_two_under_the_budget(monkeypatch):
-    monkeypatch.setattr(head_groups, "_GROUP_BYTES", 1000)
-    assert head_groups.heads_per_group(num_heads=128, tokens=10, per_token_head_bytes=10) == 8  # 10 fit
-    assert head_groups.heads_per_group(num_heads=4, tokens=10, per_token_head_bytes=10) == 4  # capped at H
-    assert head_groups.heads_per_group(num_heads=128, tokens=1000, per_token_head_bytes=10) == 1  # none fit: one
-    # DeepSeek-V3 widths in bf16 with the shipped budget: 16384 tokens -> 8 heads a group, 4096 -> 32
-    monkeypatch.undo()
+def test_kept_groups_free_each_graph_in_backward(device, monkeypatch):
+    """The plain class's per-group graphs are released group by group: a second backward through them fails
+    with an error that says so instead of returning wrong gradients."""
+    config = _attention_config(12, "sdpa")
+    monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", _group_bytes_for(1, config, 2 * 9))
+    _, liger = _attention_pair(config, device, LigerDeepseekV3Attention)
+    hidden, cos, sin, mask = _inputs(config, device, 2, 9)
+    out = _run_attention(liger, hidden, cos, sin, mask)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.sum().backward()
+
+
+def test_heads_per_group_is_a_power_of_two_under_the_budget():
+    assert head_groups.heads_per_group(128, tokens=10, per_token_head_bytes=10, budget=1000) == 8  # 10 fit
+    assert head_groups.heads_per_group(4, tokens=10, per_token_head_bytes=10, budget=1000) == 4  # capped at H
+    assert head_groups.heads_per_group(128, tokens=1000, per_token_head_bytes=10, budget=1000) == 1  # none fit
+    # DeepSeek-V3 widths in bf16 with the shipped budgets
     per_token_head = (2 * 192 + 2 * 128) * 2
-    assert head_groups.heads_per_group(128, 16384, per_token_head) == 8
-    assert head_groups.heads_per_group(128, 4096, per_token_head) == 32
+    recompute, kept = head_groups.RECOMPUTE_GROUP_BYTES, head_groups.KEPT_GROUP_BYTES
+    assert head_groups.heads_per_group(128, 16384, per_token_head, recompute) == 8
+    assert head_groups.heads_per_group(128, 4096, per_token_head, recompute) == 32
+    assert head_groups.heads_per_group(128, 8192, per_token_head, kept) == 128  # one group: the plain path
+    assert head_groups.heads_per_group(128, 16384, per_token_head, kept) == 64
+    assert head_groups.heads_per_group(128, 32768, per_token_head, kept) == 32
 
 
 def test_head_grouped_keeps_only_latents(device):
@@ -151,7 +171,7 @@ def test_head_grouped_under_autocast_matches_plain_class(monkeypatch):
     casts, and the gradients come back in the weights' dtype, close to the non-recomputing class."""
     config = _attention_config(12, "sdpa")
     batch, seq_len = 2, 33
-    monkeypatch.setattr(head_groups, "_GROUP_BYTES", _group_bytes_for(1, config, batch * seq_len, 2))
+    monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", _group_bytes_for(1, config, batch * seq_len, 2))
     plain, liger = _attention_pair(config, "cuda", LigerDeepseekV3RecomputeAttention)
     plain.__class__ = LigerDeepseekV3Attention
     hidden, cos, sin, mask = _inputs(config, "cuda", batch, seq_len)

@@ -54,7 +54,7 @@ def _silu_mul_rows_kernel(
     act_row = act_ptr + row * act_stride
     for start in range(0, half, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols <= half
+        mask = cols < half
         gate = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_row + half + cols, mask=mask, other=0.0).to(tl.float32)
         act = tl.math.div_rn(gate, 1.0 + _exp(-gate, PRECISE)) * up
@@ -88,7 +88,7 @@ def _silu_mul_rows_backward_kernel(
     dot = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, half, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols <= half
+        mask = cols < half
         gate = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_row + half + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)

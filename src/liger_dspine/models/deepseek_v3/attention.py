@@ -96,9 +96,11 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         # transformers' models make a cache in training too (use_cache defaults to True): with latents in it the
         # core is still recomputable; an expanded-key cache (transformers < 5.17) is updated inside the core.
         recomputable = cache is None or LATENT_CACHE
+        if torch.is_grad_enabled() and self._liger_head_groups_apply():
+            group = self._liger_heads_per_group(q_latent)
+            if self.recompute_core or group < self.num_heads:
+                return self._liger_head_grouped(q_latent, kv_nope, k_rot, core, group), None
         if self.recompute_core and recomputable and torch.is_grad_enabled():
-            if self._liger_head_groups_apply():
-                return self._liger_head_grouped(q_latent, kv_nope, k_rot, core), None
             attn_output, attn_weights = checkpoint(core, q_latent, kv_nope, k_rot, use_reentrant=False)
         else:
             attn_output, attn_weights = core(q_latent, kv_nope, k_rot)
@@ -158,28 +160,33 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         return attn_output, attn_weights
 
     def _liger_head_groups_apply(self) -> bool:
-        """Whether the recompute can run by head groups: latents in the cache (if any), bias-free plain Linear
+        """Whether attention can run by head groups: latents in the cache (if any), bias-free plain Linear
         up- and output projections (their rows are sliced), no attention dropout and an attention that returns
-        no weights (eager's would be lost); otherwise the core is checkpointed whole."""
+        no weights (eager's would be lost); otherwise the recompute checkpoints the core whole and the plain
+        attention runs every head at once."""
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (q_proj, self.kv_b_proj, self.o_proj))
         dropout = self.attention_dropout if self.training else 0.0
         eager = self.config._attn_implementation in (None, "eager")
         return LATENT_CACHE and plain and dropout == 0.0 and not eager
 
-    def _liger_head_grouped(self, q_latent, kv_nope, k_rot, core) -> torch.Tensor:
-        """``o_proj`` output [B, S, hidden] of :class:`HeadGroupedAttention`: only the latents are kept."""
+    def _liger_heads_per_group(self, q_latent: torch.Tensor) -> int:
+        from liger_dspine.models.deepseek_v3 import head_groups
+
+        budget = head_groups.RECOMPUTE_GROUP_BYTES if self.recompute_core else head_groups.KEPT_GROUP_BYTES
+        per_token_head = (2 * self.qk_head_dim + 2 * self.v_head_dim) * q_latent.element_size()
+        return head_groups.heads_per_group(self.num_heads, q_latent.shape[:-1].numel(), per_token_head, budget)
+
+    def _liger_head_grouped(self, q_latent, kv_nope, k_rot, core, group: int) -> torch.Tensor:
+        """``o_proj`` output [B, S, hidden] of :class:`HeadGroupedAttention`, ``group`` heads at a time."""
         from liger_dspine.models.deepseek_v3.head_groups import HeadGroupedAttention
-        from liger_dspine.models.deepseek_v3.head_groups import heads_per_group
 
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
-        kv_width = self.qk_nope_head_dim + self.v_head_dim
-        widths = (self.num_heads, self.qk_head_dim, kv_width, self.v_head_dim)
-        per_token_head = (2 * self.qk_head_dim + 2 * self.v_head_dim) * q_latent.element_size()
-        group = heads_per_group(self.num_heads, q_latent.shape[:-1].numel(), per_token_head)
+        widths = (self.num_heads, self.qk_head_dim, self.qk_nope_head_dim + self.v_head_dim, self.v_head_dim)
         run_group = lambda *args: core(*args)[0]  # noqa: E731
+        weights = (q_proj.weight, self.kv_b_proj.weight, self.o_proj.weight)
         return HeadGroupedAttention.apply(
-            run_group, widths, group, q_latent, kv_nope, k_rot, q_proj.weight, self.kv_b_proj.weight, self.o_proj.weight
+            run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights
         )
 
     def _liger_kv_heads(self, kv_latent: torch.Tensor, kv_weight: torch.Tensor | None = None) -> torch.Tensor:
