@@ -18,6 +18,7 @@ from packaging.version import Version
 
 from liger_dspine.modules.grouped_experts import LigerGroupedExperts
 from liger_dspine.ops import grouped_experts as ops
+from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward as fused
 from tiny_models import native_experts_class
 from tiny_models import tiny_deepseek_v3_config
 
@@ -262,34 +263,54 @@ NEEDS = {
 }
 
 
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=("torch_elementwise", "triton_elementwise"))
 @pytest.mark.parametrize("case", NEEDS)
-def test_backward_computes_only_needed_grads(case, monkeypatch):
+def test_backward_computes_only_needed_grads(case, dtype, monkeypatch):
+    """fp64 takes the torch elementwise path, fp32 the Triton one (through the interpreter on CPU), which runs
+    whenever anything but down_proj alone needs a gradient."""
     needs, (rows_gemms, weight_gemms) = NEEDS[case]
-    native = native_experts(experts_config(4, 2), dtype=torch.float64)
+    native = native_experts(experts_config(4, 2), dtype=dtype)
     index, weights = routing(8, 2, [0, 1, 3])
     tensors = dict(
-        x=torch.randn(8, 32, dtype=torch.float64),
-        weights=weights.double(),
+        x=torch.randn(8, 32, dtype=dtype),
+        weights=weights.to(dtype),
         gate_up=native.gate_up_proj.detach().clone(),
         down=native.down_proj.detach().clone(),
     )
-    grad_out = torch.randn(8, 32, dtype=torch.float64)
-    reference_inputs = (tensors["x"], index, tensors["weights"], tensors["gate_up"], tensors["down"], grad_out)
+    grad_out = torch.randn(8, 32, dtype=dtype)
+    reference_inputs = [tensors["x"], index, tensors["weights"], tensors["gate_up"], tensors["down"], grad_out]
+    reference_inputs = [t if t.dtype == torch.int64 else t.double() for t in reference_inputs]
     expected = dict(zip(("x", "weights", "gate_up", "down"), run(per_token_reference, *reference_inputs)[1:]))
     for name in needs:
         tensors[name].requires_grad_()
     calls = count_group_gemms(monkeypatch)
+    fused_calls = []
+    monkeypatch.setattr(ops, "silu_mul_rows_backward", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
 
     out = ops.grouped_experts(tensors["x"], index, tensors["weights"], tensors["gate_up"], tensors["down"])
     assert calls == {"rows_mm": 2, "weight_grad": 0}
     out.backward(grad_out)
 
     assert calls == {"rows_mm": 2 + rows_gemms, "weight_grad": weight_gemms}
+    assert len(fused_calls) == (dtype == torch.float32 and needs != ("down",))
     for name, tensor in tensors.items():
         if name in needs:
-            torch.testing.assert_close(tensor.grad, expected[name], **FP64)
+            torch.testing.assert_close(
+                tensor.grad, expected[name].to(dtype), **(FP64 if dtype == torch.float64 else FP32)
+            )
         else:
             assert tensor.grad is None
+
+
+def test_fused_backward_refuses_a_second_pass():
+    """The Triton backward writes over the saved gate/up output; a second backward says so instead of reading it."""
+    native = native_experts(experts_config(4, 2))
+    index, weights = routing(8, 2, [0, 1, 3])
+    x = torch.randn(8, 32, requires_grad=True)
+    out = ops.grouped_experts(x, index, weights, native.gate_up_proj, native.down_proj)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 @CPU_GROUPED_MM

@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from packaging.version import Version
 
 from liger_dspine.ops.gemm_dtype import gemm_dtype
+from liger_dspine.ops.silu_mul_rows import silu_mul_rows
+from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward
+from liger_dspine.ops.silu_mul_rows import silu_mul_rows_supported
 
 _GEMM_ALIGNMENT_BYTES = 16  # torch's grouped GEMM: 16-byte aligned data pointers and leading strides
 
@@ -156,7 +159,7 @@ def silu_mul_backward(gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: tor
     half = gate_up.shape[1] // 2
     for start, end in _row_pieces(gate_up.shape[0]):
         gate, up = gate_up[start:end].to(wide(gate_up.dtype)).chunk(2, dim=-1)  # read only (may be the saved one)
-        d_act = g[start:end].to(wide(g.dtype)).mul_(weight_of_row[start:end])
+        d_act = g[start:end].to(wide(g.dtype)) * weight_of_row[start:end]
         sig = torch.sigmoid(gate)
         d_gate_up[start:end, half:] = d_act * gate * sig
         silu_grad = (1.0 - sig).mul_(gate).add_(1.0).mul_(sig)  # silu'(x) = sig(x) * (1 + x * (1 - sig(x)))
@@ -224,7 +227,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
             x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
             gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
             del x_sorted
-            y = groups.rows_mm(silu_mul(gate_up), down_proj.to(dtype).transpose(1, 2))  # [S, H]
+            act = silu_mul_rows(gate_up) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up)  # [S, I]
+            y = groups.rows_mm(act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
+            del act
             out = sum_slots(y, row_of_slot.view(num_tokens, top_k), top_k_weights.to(wide(top_k_weights.dtype)))
 
         ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
@@ -245,6 +250,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             groups = ctx.groups
             weight_of_row = top_k_weights.reshape(-1)[perm].to(wide(top_k_weights.dtype))[:, None]  # [S, 1]
+            fused = (need_x or need_weights or need_gate_up) and weight_of_row.dtype == torch.float32
+            if fused and silu_mul_rows_supported(gate_up):
+                return _fused_backward(ctx, grad_out, weight_of_row)
             act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
             grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
             if need_down:
@@ -276,6 +284,41 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 grad_x = sum_slots(d_x_sorted, slots).to(hidden_states.dtype)
 
         return grad_x, None, grad_weights, grad_gate_up, grad_down
+
+
+def _fused_backward(ctx, grad_out, weight_of_row):
+    """The backward with the elementwise math in one Triton pass (:mod:`liger_dspine.ops.silu_mul_rows`), which
+    writes d gate_up over the saved gate_up output (its version is bumped, so a second backward fails loudly)."""
+    hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = ctx.saved_tensors
+    need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
+    grad_x = grad_weights = grad_gate_up = grad_down = None
+    groups, dtype = ctx.groups, ctx.gemm_dtype
+    num_tokens, top_k = top_k_weights.shape
+    token_of_row = perm // top_k
+
+    grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
+    g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
+    d_gate_up, dots, scaled = silu_mul_rows_backward(
+        gate_up, g, weight_of_row, row_dot=need_weights, scaled_act=need_down, in_place=True
+    )
+    torch.autograd.graph.increment_version(gate_up)
+    del g
+    if need_down:
+        # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
+        grad_down = groups.weight_grad(grad_sorted.t(), scaled).to(down_proj.dtype)
+    del grad_sorted, scaled
+    if need_weights:
+        # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
+        grad_weights = dots[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
+    if need_gate_up:
+        x_sorted = hidden_states.to(dtype)[token_of_row]  # [S, H], gathered again
+        grad_gate_up = groups.weight_grad(d_gate_up.t(), x_sorted).to(gate_up_proj.dtype)
+        del x_sorted
+    if need_x:
+        d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
+        del d_gate_up
+        grad_x = sum_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k)).to(hidden_states.dtype)
+    return grad_x, None, grad_weights, grad_gate_up, grad_down
 
 
 # torch.compile runs the op as it is (a graph break on each side): its grouped GEMMs' layout checks and the host
