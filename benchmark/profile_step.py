@@ -130,7 +130,8 @@ def main() -> int:
     if args.no_time:
         return 0
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -144,6 +145,16 @@ def main() -> int:
     print("\n## top kernels")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
         print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} [{kernel_category(e.key)}] {e.key[:110]}")
+    # the operators (with their input shapes) that launched the kernels: which elementwise kernel is which
+    operators = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
+    ]
+    print("\n## top operators by the device time of the kernels they launch (input shapes)")
+    for e in sorted(operators, key=lambda e: -e.self_device_time_total)[: 2 * args.top]:
+        shapes = str(e.input_shapes)[:90]
+        print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} {e.key[:40]:40s} {shapes}")
     return 0
 
 
