@@ -33,6 +33,8 @@ from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows_supported
+from liger_dspine.ops.slot_sum import slot_sum
+from liger_dspine.ops.slot_sum import slot_sum_supported
 
 _GEMM_ALIGNMENT_BYTES = 16  # torch's grouped GEMM: 16-byte aligned data pointers and leading strides
 
@@ -196,6 +198,13 @@ def sum_slots(rows: torch.Tensor, row_of_slot: torch.Tensor, scale: torch.Tensor
     return total
 
 
+def summed_slots(rows, row_of_slot, scale, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`sum_slots` in ``dtype``: one Triton pass where it runs (:mod:`liger_dspine.ops.slot_sum`)."""
+    if slot_sum_supported(rows, scale):
+        return slot_sum(rows, row_of_slot, scale, dtype)
+    return sum_slots(rows, row_of_slot, scale).to(dtype)
+
+
 class GroupedExpertsFunction(torch.autograd.Function):
     """(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float, gate_up_proj [E, 2I, H],
     down_proj [E, H, I]) -> [T, H] in hidden_states' dtype."""
@@ -230,7 +239,8 @@ class GroupedExpertsFunction(torch.autograd.Function):
             act = silu_mul_rows(gate_up) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up)  # [S, I]
             y = groups.rows_mm(act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
             del act
-            out = sum_slots(y, row_of_slot.view(num_tokens, top_k), top_k_weights.to(wide(top_k_weights.dtype)))
+            slot_weights = top_k_weights.to(wide(top_k_weights.dtype))
+            out = summed_slots(y, row_of_slot.view(num_tokens, top_k), slot_weights, hidden_states.dtype)
 
         ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
         ctx.gemm_dtype = dtype
@@ -282,7 +292,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
             if need_x:
                 d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
                 del d_gate_up
-                grad_x = sum_slots(d_x_sorted, slots).to(hidden_states.dtype)
+                grad_x = summed_slots(d_x_sorted, slots, None, hidden_states.dtype)
 
         return grad_x, None, grad_weights, grad_gate_up, grad_down
 
@@ -319,7 +329,7 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row):
     if need_x:
         d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
         del d_gate_up
-        grad_x = sum_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k)).to(hidden_states.dtype)
+        grad_x = summed_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k), None, hidden_states.dtype)
     return grad_x, None, grad_weights, grad_gate_up, grad_down
 
 
