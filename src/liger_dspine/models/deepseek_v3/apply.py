@@ -22,7 +22,9 @@ def apply_liger_kernel_to_deepseek_v3(
     Args:
         rope: MLA attention whose interleaved partial RoPE and query / key assembly run in Triton kernels
             (``LigerDeepseekV3Attention``: no ``torch.cat`` and no de-interleave copies). Default True here
-            (liger-kernel's default is False, and its ``rope=True`` only warns).
+            (liger-kernel's default is False, and its ``rope=True`` only warns). In training at long sequences
+            (a layer's per-head query, key, value and output over 2 GiB) the heads run in groups, so that the
+            backward's per-head gradients exist for one group at a time.
         cross_entropy: loss from Liger's cross-entropy kernel on materialised logits.
         fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
             logits (``lce_forward``). Exclusive with ``cross_entropy``.
@@ -44,9 +46,11 @@ def apply_liger_kernel_to_deepseek_v3(
             chunks over the vocabulary instead of the tokens: it holds no lm_head gradient buffer from forward to
             backward and rounds each gradient element once, for one extra logits GEMM.
         recompute_attention: (keyword-only) with ``rope``, an opt-in memory saver: in training each attention layer
-            keeps only its latents (``LigerDeepseekV3RecomputeAttention``) and recomputes the per-head query, key
-            and value and the attention forward in the backward (4 GiB less per layer at 32768 tokens at DeepSeek-V3
-            widths, for about one more attention forward).
+            keeps only its latents (``LigerDeepseekV3RecomputeAttention``), not the per-head query, key, value and
+            output (``o_proj``'s input): 1.25 KiB per token and head, 5 GiB per layer at 32768 tokens at
+            DeepSeek-V3 widths. The backward recomputes them a group of heads at a time (about 256 MiB of them
+            alive at once), for one more attention forward. With eager attention, attention dropout or projections
+            that are not plain bias-free ``nn.Linear`` (adapters) the whole core is checkpointed instead.
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 
