@@ -122,7 +122,8 @@ def build_jobs(args) -> list[Job]:
                 layers, seq = TINY_LAYERS.get(layers, layers), TINY_SEQ.get(seq, seq)
             jobs += [Job("throughput", impl, label, layers, seq, options) for impl, label, options in impls]
         if part["sweep"]:
-            sweep_order = sorted(impls, key=lambda i: ("dspine", "hf", "liger").index(i[0]))  # dspine first
+            # the peers first: their searches end at their memory limit, the rest of the time goes to liger-dspine's
+            sweep_order = sorted(impls, key=lambda i: ("liger", "hf", "dspine").index(i[0]))
             jobs += [Job("max_seq", impl, label, 2, 0, options) for impl, label, options in sweep_order]
     return jobs
 
@@ -159,9 +160,11 @@ def run_suite(args) -> int:
             logger.warning("skipping %s: an earlier run of %s timed out", job, job.label)
             rows.append(_job_row(job, status="skipped: an earlier run timed out"))
         else:
-            if job.kind == "max_seq":  # a sweep runs until its time is up: leave some to the jobs after it
-                timeout = remaining - 5 - (MIN_CHILD_S + 15) * (len(jobs) - number)
-                timeout = max(timeout, MIN_CHILD_S - 5)
+            if job.kind == "max_seq":  # a sweep runs until its time is up: an equal share of what is left
+                later = jobs[number:]
+                sweeps = 1 + sum(j.kind == "max_seq" for j in later)
+                reserve = (MIN_CHILD_S + 15) * sum(j.kind != "max_seq" for j in later)
+                timeout = max((remaining - 5 - reserve) / sweeps, MIN_CHILD_S - 5)
             else:
                 timeout = min(args.child_timeout_s, remaining - 5)
             logger.info("[%d/%d] %s (timeout %.0f s)", number, len(jobs), job, timeout)
