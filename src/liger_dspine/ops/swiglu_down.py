@@ -52,7 +52,9 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         gate_saved, up_saved = gate.contiguous(), up.contiguous()
         with torch.autocast(device_type, enabled=False):
             product = _silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
-            out = F.linear(product.to(dtype), down_weight.to(dtype))
+            # [..., I] in, so the output is a tensor of its own and not a view: a view of an intermediate made here
+            # trips torch.compile's fake-tensor conversion at the graph break after this op (torch 2.11)
+            out = F.linear(product.view(gate.shape).to(dtype), down_weight.to(dtype))
         del product
 
         shares_storage = gate_saved.untyped_storage().data_ptr() == up_saved.untyped_storage().data_ptr()
@@ -61,7 +63,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         ctx.overwritten = False
         ctx.compute_dtype = dtype
         ctx.save_for_backward(gate_saved, up_saved, down_weight)
-        return out.view(*gate.shape[:-1], down_weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -185,8 +185,8 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         widths = (self.num_heads, self.qk_head_dim, self.qk_nope_head_dim + self.v_head_dim, self.v_head_dim)
         run_group = lambda *args: core(*args)[0]  # noqa: E731
         weights = (q_proj.weight, self.kv_b_proj.weight, self.o_proj.weight)
-        return HeadGroupedAttention.apply(
-            run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights
+        return _head_grouped_apply(
+            HeadGroupedAttention, run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights
         )
 
     def _liger_kv_heads(self, kv_latent: torch.Tensor, kv_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,6 +216,12 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         return key_states, value_states
+
+
+# torch.compile runs it as it is (a graph break on each side): its backward runs autograd over per-group graphs.
+@torch.compiler.disable
+def _head_grouped_apply(function, *args):
+    return function.apply(*args)
 
 
 class LigerDeepseekV3RecomputeAttention(LigerDeepseekV3Attention):
