@@ -2,7 +2,7 @@
 # Tests and benchmark on the GPU machine, in one command of at most 10 minutes; logs, CSVs and plots go to $OUT.
 #
 #   bash benchmark/run_gpu.sh STEP...
-#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | profile
+#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). Every step runs under `timeout`
 # inside one budget for the whole script, so the command ends in time and $OUT holds what finished.
@@ -85,19 +85,22 @@ for step in "$@"; do
     bench-quick) run_bench --suite quick ;;
     bench-part1) run_bench --suite full --part 1 ;;
     bench-part2) run_bench --suite full --part 2 ;;
-    # the opt-in memory saver at the lengths of the memory goals
-    bench-optin) run_bench --suite custom --impls "" --shapes 2x16384,2x32768 --name optin \
+    # liger-dspine's defaults and its opt-in memory saver at the lengths of the memory goals
+    bench-optin) run_bench --suite custom --impls dspine --shapes 2x16384,2x32768 --name optin \
       --variant 'dspine_recompute={"recompute_attention": true}' ;;
-    # the longest sequence of liger-kernel and liger-dspine (defaults and the opt-in), from a length all of them fit
-    bench-sweep) run_bench --suite custom --impls liger,dspine --shapes "" --max-seq --sweep-start 131072 \
+    # the longest sequence of liger-kernel and of liger-dspine with the opt-in, from a length both fit
+    bench-sweep) run_bench --suite custom --impls liger --shapes "" --max-seq --sweep-start 131072 \
       --name sweep --variant 'dspine_recompute={"recompute_attention": true}' ;;
+    # the same for liger-dspine's defaults
+    bench-sweep-defaults) run_bench --suite custom --impls liger,dspine --shapes "" --max-seq --sweep-start 131072 \
+      --name sweep_defaults ;;
     # where the time (8 layers / 4096) and the memory (2 layers / 16384) of a liger-dspine step go
     profile)
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | profile)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

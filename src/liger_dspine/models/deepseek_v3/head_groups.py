@@ -5,9 +5,9 @@ that head, and ``o_proj`` columns read only its output), so both passes can walk
 
 - forward: each group's query, key, value and attention output; the outputs go into one ``[B, S, H, V]`` buffer
   that ``o_proj`` multiplies once and that is freed at once (``o_proj``'s input is not kept);
-- backward: ``d_out = d_y @ W_o`` once, then per group the ``o_proj`` weight gradient of the group's columns and the
-  backward of the group. The latents' gradients add up over groups in fp32; each weight gradient row (or column)
-  belongs to one group and is written once.
+- backward: per group, the group's columns of ``d_out = d_y @ W_o``, the ``o_proj`` weight gradient of those
+  columns and the backward of the group. The latents' gradients add up over groups in fp32; each weight gradient
+  row (or column) belongs to one group and is written once.
 
 Two modes:
 
@@ -100,10 +100,7 @@ class HeadGroupedAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_y):
         q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight = ctx.saved_tensors
-        num_heads, _, _, v_width = ctx.head_widths
         needs = ctx.needs_input_grad[4:]
-        batch, seq_len = grad_y.shape[:2]
-        grad_out = torch.matmul(grad_y, o_weight).view(batch, seq_len, num_heads, v_width)
         grad_y_rows = grad_y.reshape(-1, grad_y.shape[-1])
 
         # fp32 sums of the latents' gradients over the groups; each weight gradient slice is written once
@@ -132,7 +129,10 @@ class HeadGroupedAttention(torch.autograd.Function):
             inputs = [t for t in leaves + part.rows if t.requires_grad]
             if not inputs:
                 continue
-            grads = iter(torch.autograd.grad(out_group, inputs, grad_out[:, :, part.heads]))
+            # the group's slice of d_out = d_y @ W_o, one group at a time (the whole is [B, S, H * V])
+            grad_out = torch.matmul(grad_y, o_weight[:, part.o_columns]).view(out_group.shape)
+            grads = iter(torch.autograd.grad(out_group, inputs, grad_out))
+            del grad_out
             del out_group
             for i, leaf in enumerate(leaves):
                 if leaf.requires_grad:
