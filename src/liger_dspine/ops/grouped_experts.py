@@ -285,13 +285,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
 
             d_gate_up = silu_mul_backward(gate_up, g, weight_of_row)  # [S, 2I], from d act = w * g
             del g
-            if need_gate_up:
-                x_sorted = hidden_states.to(dtype)[token_of_row]  # [S, H], gathered again
-                grad_gate_up = groups.weight_grad(d_gate_up.t(), x_sorted).to(gate_up_proj.dtype)
-                del x_sorted
-            if need_x:
-                d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
-                del d_gate_up
+            grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
+            del d_gate_up
+            if d_x_sorted is not None:
                 grad_x = summed_slots(d_x_sorted, slots, None, hidden_states.dtype)
 
         return grad_x, None, grad_weights, grad_gate_up, grad_down
@@ -322,15 +318,25 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row):
     if need_weights:
         # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
         grad_weights = dots[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
+    grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
+    del d_gate_up
+    if d_x_sorted is not None:
+        grad_x = summed_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k), None, hidden_states.dtype)
+    return grad_x, None, grad_weights, grad_gate_up, grad_down
+
+
+def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row):
+    """From d gate_up [S, 2I]: (d gate_up_proj, d of the sorted inputs [S, H]), each None when not needed."""
+    need_x, need_gate_up = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+    groups, dtype = ctx.groups, ctx.gemm_dtype
+    grad_gate_up = d_x_sorted = None
     if need_gate_up:
         x_sorted = hidden_states.to(dtype)[token_of_row]  # [S, H], gathered again
         grad_gate_up = groups.weight_grad(d_gate_up.t(), x_sorted).to(gate_up_proj.dtype)
         del x_sorted
     if need_x:
         d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
-        del d_gate_up
-        grad_x = summed_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k), None, hidden_states.dtype)
-    return grad_x, None, grad_weights, grad_gate_up, grad_down
+    return grad_gate_up, d_x_sorted
 
 
 # torch.compile runs the op as it is (a graph break on each side): its grouped GEMMs' layout checks and the host
