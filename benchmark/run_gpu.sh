@@ -13,7 +13,8 @@
 #   PYTHON         interpreter (default python3)
 #   WHEELS         folder of wheels to install (default .whl; none there: use what is installed)
 #   BENCH_ARGS     extra arguments of benchmark/bench_deepseek_v3.py (e.g. --tiny, --variant ...)
-#   PYTEST_ARGS    extra arguments of pytest
+#   PYTEST_ARGS    extra arguments of pytest (split on spaces)
+#   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -57,6 +58,7 @@ run_pytest() {  # run_pytest LOGNAME ARGS...
   limit=$(left)
   limit=$((limit - 5 < TEST_TIMEOUT ? limit - 5 : TEST_TIMEOUT))
   LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 "$limit" $PYTHON -m pytest -q -p no:cacheprovider "$@" ${PYTEST_ARGS:-} \
+    ${PYTEST_K:+-k "$PYTEST_K"} \
     2>&1 | tee "$OUT/$log"
   return "${PIPESTATUS[0]}"
 }
