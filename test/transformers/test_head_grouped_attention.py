@@ -4,6 +4,8 @@ The recompute walks the heads a group at a time in both passes; the group size i
 groups that do not divide the head count) so that the grouping, not a single group, is what gets compared.
 """
 
+import copy
+
 import pytest
 import torch
 from test_interleaved_rope import FP32
@@ -199,3 +201,37 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
         assert g.dtype == w.dtype
         scale = w.float().abs().max().item()
         assert (g.float() - w.float()).abs().max().item() <= 2e-2 * scale + 1e-3
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("liger_class", [LigerDeepseekV3RecomputeAttention, LigerDeepseekV3Attention])
+def test_whole_model_with_gradient_checkpointing(device, monkeypatch, liger_class, use_reentrant):
+    """Head groups inside transformers' gradient checkpointing of the decoder layers: the loss and every gradient
+    match the native model's, and the head-grouped path did run."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
+
+    monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", 1)  # one head a group
+    monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", 1)
+    grouped_runs = []
+    original = liger_class._liger_head_grouped
+    monkeypatch.setattr(
+        liger_class, "_liger_head_grouped", lambda self, *a: grouped_runs.append(1) or original(self, *a)
+    )
+    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    native = DeepseekV3ForCausalLM(config).to(device)
+    liger = copy.deepcopy(native)
+    for layer in liger.model.layers:
+        layer.self_attn.__class__ = liger_class
+    input_ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
+    losses = []
+    for model in (native, liger):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        losses.append(model(input_ids=input_ids, labels=input_ids).loss)
+        losses[-1].backward()
+    assert grouped_runs
+    torch.testing.assert_close(losses[1], losses[0], **FP32)
+    for (name, p), q in zip(native.named_parameters(), liger.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, **GROUPED, msg=lambda m, name=name: f"{name}: {m}")
