@@ -24,14 +24,15 @@ from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
 WORLD_SIZE = 2
+RECOMPUTE = {"recompute_attention": True}
 BATCH = 4
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-def patched_model_and_batch():
-    config = tiny_deepseek_v3_config()
+def patched_model_and_batch(attn_implementation="eager", **options):
+    config = tiny_deepseek_v3_config(attn_implementation=attn_implementation)
     model = build_model(config)
-    apply_liger_kernel_to_deepseek_v3(model=model)
+    apply_liger_kernel_to_deepseek_v3(model=model, **options)
     input_ids, _ = random_batch(config, batch=BATCH, seq=6, seed=5)
     return model.train(), input_ids, labels_with_ignored(input_ids)
 
@@ -110,6 +111,20 @@ def _worker(rank, store_path, results_path):
             "grads": _full_grads(model),
             "head_sharded": sharded,
         }
+        # attention run one head at a time: kept per-head graphs, and the recompute, over FSDP2's resharded weights
+        from liger_dspine.models.deepseek_v3 import head_groups
+        from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
+
+        head_groups.KEPT_GROUP_BYTES = head_groups.RECOMPUTE_GROUP_BYTES = 1
+        grouped_runs = []
+        original = LigerDeepseekV3Attention._liger_head_grouped
+        LigerDeepseekV3Attention._liger_head_grouped = lambda self, *a: grouped_runs.append(1) or original(self, *a)
+        for scenario, options in (("fsdp2_head_groups", {}), ("fsdp2_recompute_head_groups", RECOMPUTE)):
+            grouped_runs.clear()
+            model, input_ids, labels = patched_model_and_batch("sdpa", **options)
+            _fsdp2(model, mesh, shard_lm_head=False)
+            report[scenario] = {**_run(model, input_ids, labels), "grads": _full_grads(model)}
+            report[scenario]["head_grouped_layers"] = len(grouped_runs)
         if rank == 0:  # a file: tensors sent through a queue would live in this process's shared memory
             torch.save(report, results_path)
     finally:
@@ -135,13 +150,16 @@ def single_process():
     return out.loss.detach(), grads, reference
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_own_head_logits"])
+@pytest.mark.parametrize(
+    "scenario", ["ddp", "fsdp2", "fsdp2_own_head_logits", "fsdp2_head_groups", "fsdp2_recompute_head_groups"]
+)
 def test_two_ranks_match_one_process_on_the_full_batch(two_ranks, single_process, scenario):
     loss, grads, _ = single_process
     result = two_ranks[scenario]
 
     assert result["logits_skipped"] is (scenario != "fsdp2_own_head_logits")
     assert result.get("head_sharded", True)  # FSDP2: lm_head.weight is sharded outside the forward
+    assert result.get("head_grouped_layers", 1) > 0  # the head-grouped scenarios did run by head groups
     torch.testing.assert_close(result["loss"], loss, **FP32)
     assert_grads_close(result["grads"], grads, **FP32)
 
