@@ -140,10 +140,10 @@ def _wrapped_linear(linear):
     return Adapter()
 
 
-@pytest.mark.parametrize("case", ["eager", "dropout", "wrapped_o_proj"])
+@pytest.mark.parametrize("case", ["eager", "dropout", "wrapped_o_proj", "hooked_o_proj"])
 def test_other_set_ups_checkpoint_the_whole_core(device, case):
     """Where the heads cannot be grouped (eager attention returns weights, dropout draws random numbers, a
-    projection is not a plain Linear), the core is checkpointed whole and still matches the native module."""
+    projection is not a plain Linear or has hooks), the core is checkpointed whole and matches the native module."""
     config = _attention_config(12, "eager" if case == "eager" else "sdpa")
     native, liger = _attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
     if case == "dropout":
@@ -154,10 +154,14 @@ def test_other_set_ups_checkpoint_the_whole_core(device, case):
         return
     if case == "wrapped_o_proj":
         native.o_proj, liger.o_proj = _wrapped_linear(native.o_proj), _wrapped_linear(liger.o_proj)
+    hook_calls = []
+    if case == "hooked_o_proj":  # the hook must still see o_proj's input and output
+        liger.o_proj.register_forward_hook(lambda module, args, out: hook_calls.append(out.shape))
     assert not liger._liger_head_groups_apply()
     hidden, cos, sin, mask = _inputs(config, device, 2, 7)
     out = _run_attention(liger, hidden, cos, sin, mask)
     assert type(out.grad_fn).__name__ != "HeadGroupedAttentionBackward"
+    assert len(hook_calls) == (case == "hooked_o_proj")
     ref = _run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
     grad = torch.randn_like(ref)

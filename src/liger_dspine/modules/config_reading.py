@@ -1,7 +1,10 @@
-"""What the Liger modules read from a model config: the activation they fuse and the routed experts' sizes.
+"""What the Liger modules read from a model and its config: the activation they fuse, the routed experts' sizes,
+and whether a projection is a plain Linear whose weight may be used directly.
 
 Imports no Triton, so modules without kernels of their own (the grouped-GEMM experts) can use it too.
 """
+
+from torch import nn
 
 # activation names transformers' ACT2FN maps to SiLU
 SILU_ACTIVATIONS = ("silu", "swish")
@@ -30,3 +33,14 @@ def expert_sizes(config) -> tuple[int, int, int]:
         raise ValueError("liger-dspine: the config names no expert count (n_routed_experts / num_local_experts)")
     intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     return num_experts, config.hidden_size, intermediate
+
+
+def runs_plain_linear(module: nn.Module) -> bool:
+    """Calling ``module`` is ``F.linear`` with its weight and bias: an ``nn.Linear`` with its own forward, no hooks."""
+    hooks = (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    )
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and not any(hooks)

@@ -4,6 +4,7 @@ from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import check_activation
+from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
 
 
@@ -36,7 +37,7 @@ class LigerSwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_kernel_device(x, "LigerSwiGLUMLP")
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if not _runs_plain_linear(self.down_proj):
+        if not runs_plain_linear(self.down_proj):
             return self.down_proj(LigerSiLUMulFunction.apply(gate, up))
         if self.down_proj.bias is not None:
             raise ValueError("liger-dspine: LigerSwiGLUMLP fuses a down_proj without bias; this one has a bias")
@@ -44,14 +45,3 @@ class LigerSwiGLUMLP(nn.Module):
         # unless a forward hook of gate_proj / up_proj may have kept them
         in_place = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks)
         return liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place)
-
-
-def _runs_plain_linear(module: nn.Module) -> bool:
-    """Calling ``module`` is ``F.linear`` with its weight and bias: an ``nn.Linear`` with its own forward, no hooks."""
-    hooks = (
-        module._forward_pre_hooks,
-        module._forward_hooks,
-        module._backward_pre_hooks,
-        module._backward_hooks,
-    )
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and not any(hooks)

@@ -29,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _modeling
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
+from liger_dspine.modules.config_reading import runs_plain_linear
+
 _NATIVE_PARAMS = inspect.signature(DeepseekV3Attention.forward).parameters
 # Name of the cache argument of the native forward ("past_key_values" in transformers 5.17, "cache" in 5.24).
 NATIVE_CACHE_ARG = "cache" if "cache" in _NATIVE_PARAMS else "past_key_values"
@@ -160,12 +162,13 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         return attn_output, attn_weights
 
     def _liger_head_groups_apply(self) -> bool:
-        """Whether attention can run by head groups: latents in the cache (if any), bias-free plain Linear
-        up- and output projections (their rows are sliced), no attention dropout and an attention that returns
-        no weights (eager's would be lost); otherwise the recompute checkpoints the core whole and the plain
-        attention runs every head at once."""
+        """Whether attention can run by head groups: latents in the cache (if any), bias-free plain Linear up- and
+        output projections without hooks (their weight rows are used directly), no attention dropout and an
+        attention that returns no weights (eager's would be lost). Otherwise the recompute checkpoints the core
+        whole and the plain attention runs every head at once."""
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
-        plain = all(type(m) is torch.nn.Linear and m.bias is None for m in (q_proj, self.kv_b_proj, self.o_proj))
+        # hooks on a projection would not run: its weight rows are multiplied directly
+        plain = all(runs_plain_linear(m) and m.bias is None for m in (q_proj, self.kv_b_proj, self.o_proj))
         dropout = self.attention_dropout if self.training else 0.0
         eager = self.config._attn_implementation in (None, "eager")
         return LATENT_CACHE and plain and dropout == 0.0 and not eager
