@@ -99,6 +99,11 @@ class HeadGroupedAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_y):
+        if ctx.groups is None:
+            raise RuntimeError(
+                "liger-dspine: backward through head-grouped MLA a second time; its per-group graphs were freed by "
+                "the first backward (retain_graph=True does not keep them)"
+            )
         q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]
         grad_y_rows = grad_y.reshape(-1, grad_y.shape[-1])
@@ -109,11 +114,6 @@ class HeadGroupedAttention(torch.autograd.Function):
         q_grad, kv_grad = [torch.empty_like(w) if need else None for w, need in zip((q_weight, kv_weight), needs[3:5])]
         o_grad = torch.empty_like(o_weight) if needs[5] else None
 
-        if ctx.groups is None:
-            raise RuntimeError(
-                "liger-dspine: backward through head-grouped MLA a second time; its per-group graphs were freed by "
-                "the first backward (retain_graph=True does not keep them)"
-            )
         leaves = ctx.leaves or _leaves(latents, needs)
         groups = list(ctx.groups)
         if ctx.leaves is not None:
@@ -132,8 +132,7 @@ class HeadGroupedAttention(torch.autograd.Function):
             # the group's slice of d_out = d_y @ W_o, one group at a time (the whole is [B, S, H * V])
             grad_out = torch.matmul(grad_y, o_weight[:, part.o_columns]).view(out_group.shape)
             grads = iter(torch.autograd.grad(out_group, inputs, grad_out))
-            del grad_out
-            del out_group
+            del grad_out, out_group
             for i, leaf in enumerate(leaves):
                 if leaf.requires_grad:
                     latent_grads[i] += next(grads)
