@@ -64,7 +64,7 @@ def apply_liger_kernel_to_deepseek_v3(
     require_supported_versions()
     options = dict(
         rope=rope and not recompute_attention,
-        recompute_attention=rope and recompute_attention,
+        recompute_attention=recompute_attention,
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy and not vocab_chunked_lce,
         vocab_chunked_lce=fused_linear_cross_entropy and vocab_chunked_lce,

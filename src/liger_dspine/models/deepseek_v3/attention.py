@@ -132,10 +132,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         else:
             key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache)
 
-        if q_weight is not None:
-            q_states = F.linear(q_latent, q_weight)
-        else:
-            q_states = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
+        q_states = self._liger_q_up_proj()(q_latent) if q_weight is None else F.linear(q_latent, q_weight)
         # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
         q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
         query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
@@ -166,9 +163,9 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         output projections without hooks (their weight rows are used directly), no attention dropout and an
         attention that returns no weights (eager's would be lost). Otherwise the recompute checkpoints the core
         whole and the plain attention runs every head at once."""
-        q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         # hooks on a projection would not run: its weight rows are multiplied directly
-        plain = all(runs_plain_linear(m) and m.bias is None for m in (q_proj, self.kv_b_proj, self.o_proj))
+        projections = (self._liger_q_up_proj(), self.kv_b_proj, self.o_proj)
+        plain = all(runs_plain_linear(m) and m.bias is None for m in projections)
         dropout = self.attention_dropout if self.training else 0.0
         eager = self.config._attn_implementation in (None, "eager")
         return LATENT_CACHE and plain and dropout == 0.0 and not eager
@@ -182,15 +179,16 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
 
     def _liger_head_grouped(self, q_latent, kv_nope, k_rot, core, group: int) -> torch.Tensor:
         """``o_proj`` output [B, S, hidden] of :class:`HeadGroupedAttention`, ``group`` heads at a time."""
-        from liger_dspine.models.deepseek_v3.head_groups import HeadGroupedAttention
+        from liger_dspine.models.deepseek_v3.head_groups import head_grouped_attention
 
-        q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         widths = (self.num_heads, self.qk_head_dim, self.qk_nope_head_dim + self.v_head_dim, self.v_head_dim)
         run_group = lambda *args: core(*args)[0]  # noqa: E731
-        weights = (q_proj.weight, self.kv_b_proj.weight, self.o_proj.weight)
-        return _head_grouped_apply(
-            HeadGroupedAttention, run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights
-        )
+        weights = (self._liger_q_up_proj().weight, self.kv_b_proj.weight, self.o_proj.weight)
+        return head_grouped_attention(run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights)
+
+    def _liger_q_up_proj(self) -> torch.nn.Module:
+        """The projection from the query latent to the per-head queries."""
+        return self.q_proj if self.q_lora_rank is None else self.q_b_proj
 
     def _liger_kv_heads(self, kv_latent: torch.Tensor, kv_weight: torch.Tensor | None = None) -> torch.Tensor:
         """kv_latent [B, (1,) L, kv_lora_rank] -> kv_b_proj output (or that of ``kv_weight``'s rows) viewed
@@ -221,19 +219,14 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         return key_states, value_states
 
 
-# torch.compile runs it as it is (a graph break on each side): its backward runs autograd over per-group graphs.
-@torch.compiler.disable
-def _head_grouped_apply(function, *args):
-    return function.apply(*args)
-
-
 class LigerDeepseekV3RecomputeAttention(LigerDeepseekV3Attention):
     """``LigerDeepseekV3Attention`` that keeps only the latents for backward (an opt-in memory saver).
 
     In training, the query / key / value up-projections, their assembly and the attention forward run again in
-    the backward instead of keeping the per-head query, key and value (at 128 heads: 1 KiB per token and head
-    group, 4 GiB per layer at 32768 tokens in bf16). The price is one more attention forward and two small
-    GEMMs per layer in the backward.
+    the backward, a group of heads at a time (:mod:`liger_dspine.models.deepseek_v3.head_groups`), instead of
+    keeping the per-head query, key, value and attention output (at 128 heads in bf16: 1.25 KiB per token and
+    head, 5 GiB per layer at 32768 tokens). The price is one more attention forward and the heads' up-projections
+    again in the backward.
     """
 
     recompute_core = True

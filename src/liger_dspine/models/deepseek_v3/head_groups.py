@@ -141,3 +141,14 @@ class HeadGroupedAttention(torch.autograd.Function):
                     weight_grad[rows] = next(grads)
         latent_grads = [g if g is None else g.to(t.dtype) for g, t in zip(latent_grads, latents)]
         return (*latent_grads, q_grad, kv_grad, o_grad)
+
+
+# torch.compile runs it as it is (a graph break on each side): its backward runs autograd over per-group graphs.
+@torch.compiler.disable
+def head_grouped_attention(
+    run_group, head_widths, group, recompute, q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight
+) -> torch.Tensor:
+    """:class:`HeadGroupedAttention` outside any ``torch.compile`` graph; arguments as its ``forward``."""
+    return HeadGroupedAttention.apply(
+        run_group, head_widths, group, recompute, q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight
+    )
