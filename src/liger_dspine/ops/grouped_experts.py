@@ -245,11 +245,12 @@ class GroupedExpertsFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
         ctx.gemm_dtype = dtype
         ctx.groups = groups  # the backward's grouped GEMMs use the same groups (the loop's bounds read once)
-        return out.to(hidden_states.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows a single unpack
+        hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = saved
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
         grad_x = grad_weights = grad_gate_up = grad_down = None
         dtype = ctx.gemm_dtype
@@ -262,7 +263,6 @@ class GroupedExpertsFunction(torch.autograd.Function):
             weight_of_row = top_k_weights.reshape(-1)[perm].to(wide(top_k_weights.dtype))[:, None]  # [S, 1]
             fused = (need_x or need_weights or need_gate_up) and weight_of_row.dtype == torch.float32
             if fused and silu_mul_rows_supported(gate_up):
-                saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
                 return _fused_backward(ctx, saved, grad_out, weight_of_row)
             act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
             grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
@@ -296,10 +296,10 @@ class GroupedExpertsFunction(torch.autograd.Function):
 def _fused_backward(ctx, saved, grad_out, weight_of_row):
     """The backward with the elementwise math in one Triton pass (:mod:`liger_dspine.ops.silu_mul_rows`), which
     writes d gate_up over the saved gate_up output (its version is bumped, so a second backward fails loudly).
-    ``saved``: ``ctx.saved_tensors``, unpacked once by the caller (checkpointing allows a single unpack)."""
+    ``saved``: ``ctx.saved_tensors`` as the caller unpacked it."""
     hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = saved
-    need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
-    grad_x = grad_weights = grad_gate_up = grad_down = None
+    _, _, need_weights, _, need_down = ctx.needs_input_grad
+    grad_x = grad_weights = grad_down = None
     groups, dtype = ctx.groups, ctx.gemm_dtype
     num_tokens, top_k = top_k_weights.shape
     token_of_row = perm // top_k

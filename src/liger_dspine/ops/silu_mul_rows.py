@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine._interpreter import kernel_runs_on
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK = 2048  # columns per step: one step per row at DeepSeek-V3's I = 2048
@@ -123,9 +124,8 @@ def _launch_options(half: int) -> dict:
 def silu_mul_rows_supported(gate_up: torch.Tensor) -> bool:
     """Whether the kernels take ``gate_up``: on CUDA (or a CPU under the interpreter), fp16 / bf16 / fp32, 2-D with
     unit column stride and an even column count. Otherwise the caller keeps its torch path."""
-    runs_here = gate_up.is_cuda or (gate_up.device.type == "cpu" and _INTERPRETED)
     return (
-        runs_here
+        kernel_runs_on(gate_up, _silu_mul_rows_kernel)
         and gate_up.dtype in _DTYPES
         and gate_up.dim() == 2
         and gate_up.stride(-1) == 1

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine._interpreter import kernel_runs_on
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
@@ -45,9 +46,8 @@ def _slot_sum_kernel(
 def slot_sum_supported(rows: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether :func:`slot_sum` runs here: CUDA or Triton's CPU interpreter, fp16 / bf16 / fp32 rows with unit
     column stride, fp32 weights."""
-    on_device = rows.is_cuda or not isinstance(_slot_sum_kernel, triton.runtime.JITFunction)
     return (
-        on_device
+        kernel_runs_on(rows, _slot_sum_kernel)
         and rows.dtype in _DTYPES
         and rows.dim() == 2
         and rows.stride(-1) == 1
