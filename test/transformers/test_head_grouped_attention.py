@@ -16,6 +16,7 @@ from test_interleaved_rope import _cos_sin
 from test_interleaved_rope import _grads
 from test_interleaved_rope import _position_ids
 from test_interleaved_rope import _run_attention
+from test_interleaved_rope import assert_attention_grads_match
 from transformers.cache_utils import DynamicCache
 
 from liger_dspine.models.deepseek_v3 import attention as liger_attention
@@ -64,12 +65,7 @@ def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, wi
     ref = _run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
     torch.testing.assert_close(out, ref, **FP32)
 
-    grad = torch.randn_like(ref)
-    got = _grads([out], [hidden, *liger.parameters()], [grad])
-    want = _grads([ref], [hidden, *native.parameters()], [grad])
-    names = ["hidden_states"] + [name for name, _ in native.named_parameters()]
-    for name, g, w in zip(names, got, want):
-        torch.testing.assert_close(g, w, **GROUPED, msg=lambda m, name=name: f"{name}: {m}")
+    assert_attention_grads_match(out, ref, hidden, liger, native, GROUPED)
 
 
 def test_kept_groups_free_each_graph_in_backward(device, monkeypatch):
@@ -164,11 +160,7 @@ def test_other_set_ups_checkpoint_the_whole_core(device, case):
     assert len(hook_calls) == (case == "hooked_o_proj")
     ref = _run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
-    grad = torch.randn_like(ref)
-    got = _grads([out], [hidden, *liger.parameters()], [grad])
-    want = _grads([ref], [hidden, *native.parameters()], [grad])
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **FP32)
+    assert_attention_grads_match(out, ref, hidden, liger, native, FP32)
 
 
 @pytest.mark.cuda

@@ -358,12 +358,18 @@ def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope
     ref = _run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
 
+    assert_attention_grads_match(out, ref, hidden, liger, native, FP32)
+
+
+def assert_attention_grads_match(out, ref, hidden, liger, native, tolerance):
+    """Backward of one random output gradient through both modules: the hidden states' and every parameter's
+    gradients agree within ``tolerance``, each named on failure."""
     grad = torch.randn_like(ref)
     got = _grads([out], [hidden, *liger.parameters()], [grad])
     want = _grads([ref], [hidden, *native.parameters()], [grad])
     names = ["hidden_states"] + [name for name, _ in native.named_parameters()]
     for name, g, w in zip(names, got, want):
-        torch.testing.assert_close(g, w, **FP32, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(g, w, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("with_cache", [False, True])
