@@ -4,16 +4,24 @@ Each rank takes half of the batch. Both halves hold the same number of targets (
 so the mean of the two rank losses, and the mean of their gradients (what DDP and FSDP2 reduce), equal the
 full-batch loss and gradients. fp32; 1e-5 covers the reordered reductions.
 
-One spawn runs every scenario (starting two interpreters costs more than the scenarios themselves); the tests
-below read its results.
+Two spawns, each running a set of scenarios in one process group (starting two interpreters costs more than the
+scenarios themselves): DDP and FSDP2 with the default attention, then FSDP2 with head-grouped attention. Each rank
+writes its output to a log of its own (Python tracebacks on a fatal signal included), and a failed spawn names
+the scenario each rank was in and the last lines it wrote.
 """
 
 import copy
+import faulthandler
+import os
+import sys
+import warnings
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
 from tiny_models import assert_grads_close
@@ -27,6 +35,7 @@ WORLD_SIZE = 2
 RECOMPUTE = {"recompute_attention": True}
 BATCH = 4
 FP32 = dict(atol=1e-5, rtol=1e-5)
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank left waiting on a failed peer fails instead of hanging
 
 
 def patched_model_and_batch(attn_implementation="eager", **options):
@@ -77,68 +86,131 @@ def _fsdp2(model, mesh, shard_lm_head: bool):
     return fully_shard(model, mesh=mesh)
 
 
-def _worker(rank, store_path, results_path):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE)
+def _scenario(name: str) -> None:
+    print(f"scenario {name}", flush=True)
+
+
+def _ddp_and_fsdp2(mesh) -> dict:
+    report = {}
+    _scenario("ddp")
+    model, input_ids, labels = patched_model_and_batch()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    report["ddp"] = {**_run(ddp, input_ids, labels), "grads": _full_grads(model)}
+
+    # lm_head in the root's parameter group: the root's pre-forward unshards it before lce_forward reads it
+    _scenario("fsdp2")
+    model, input_ids, labels = patched_model_and_batch()
+    _fsdp2(model, mesh, shard_lm_head=False)
+    sharded = _is_sharded(model.lm_head.weight)
+    report["fsdp2"] = {**_run(model, input_ids, labels), "grads": _full_grads(model), "head_sharded": sharded}
+
+    # lm_head sharded on its own: never gathered for the fused loss, which says so; logits work
+    _scenario("fsdp2_own_head")
+    model, input_ids, labels = patched_model_and_batch()
+    _fsdp2(model, mesh, shard_lm_head=True)
+    sharded = _is_sharded(model.lm_head.weight)
+    try:
+        _run(model, input_ids, labels)
+        report["fsdp2_own_head_error"] = None
+    except ValueError as error:
+        report["fsdp2_own_head_error"] = str(error)
+    model.zero_grad(set_to_none=True)
+    report["fsdp2_own_head_logits"] = {
+        **_run(model, input_ids, labels, skip_logits=False),
+        "grads": _full_grads(model),
+        "head_sharded": sharded,
+    }
+    return report
+
+
+def _fsdp2_head_groups(mesh) -> dict:
+    """Attention run one head at a time (kept per-head graphs, and the recompute) over FSDP2's resharded weights."""
+    from liger_dspine.models.deepseek_v3 import head_groups
+    from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
+
+    head_groups.KEPT_GROUP_BYTES = head_groups.RECOMPUTE_GROUP_BYTES = 1
+    grouped_runs = []
+    original = LigerDeepseekV3Attention._liger_head_grouped
+    LigerDeepseekV3Attention._liger_head_grouped = lambda self, *a: grouped_runs.append(1) or original(self, *a)
+    report = {}
+    for scenario, options in (("fsdp2_head_groups", {}), ("fsdp2_recompute_head_groups", RECOMPUTE)):
+        _scenario(scenario)
+        grouped_runs.clear()
+        model, input_ids, labels = patched_model_and_batch("sdpa", **options)
+        _fsdp2(model, mesh, shard_lm_head=False)
+        report[scenario] = {**_run(model, input_ids, labels), "grads": _full_grads(model)}
+        report[scenario]["head_grouped_layers"] = len(grouped_runs)
+    return report
+
+
+SCENARIO_SETS = {"ddp_fsdp2": _ddp_and_fsdp2, "fsdp2_head_groups": _fsdp2_head_groups}
+
+
+def _worker(rank, folder, scenario_set):
+    log = open(os.path.join(folder, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    faulthandler.enable(file=log, all_threads=True)
+    store = os.path.join(folder, "store")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         torch.set_num_threads(1)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        report = {}
-
-        model, input_ids, labels = patched_model_and_batch()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        report["ddp"] = {**_run(ddp, input_ids, labels), "grads": _full_grads(model)}
-
-        # lm_head in the root's parameter group: the root's pre-forward unshards it before lce_forward reads it
-        model, input_ids, labels = patched_model_and_batch()
-        _fsdp2(model, mesh, shard_lm_head=False)
-        sharded = _is_sharded(model.lm_head.weight)
-        report["fsdp2"] = {**_run(model, input_ids, labels), "grads": _full_grads(model), "head_sharded": sharded}
-
-        # lm_head sharded on its own: never gathered for the fused loss, which says so; logits work
-        model, input_ids, labels = patched_model_and_batch()
-        _fsdp2(model, mesh, shard_lm_head=True)
-        sharded = _is_sharded(model.lm_head.weight)
-        try:
-            _run(model, input_ids, labels)
-            report["fsdp2_own_head_error"] = None
-        except ValueError as error:
-            report["fsdp2_own_head_error"] = str(error)
-        model.zero_grad(set_to_none=True)
-        report["fsdp2_own_head_logits"] = {
-            **_run(model, input_ids, labels, skip_logits=False),
-            "grads": _full_grads(model),
-            "head_sharded": sharded,
-        }
-        # attention run one head at a time: kept per-head graphs, and the recompute, over FSDP2's resharded weights
-        from liger_dspine.models.deepseek_v3 import head_groups
-        from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
-
-        head_groups.KEPT_GROUP_BYTES = head_groups.RECOMPUTE_GROUP_BYTES = 1
-        grouped_runs = []
-        original = LigerDeepseekV3Attention._liger_head_grouped
-        LigerDeepseekV3Attention._liger_head_grouped = lambda self, *a: grouped_runs.append(1) or original(self, *a)
-        for scenario, options in (("fsdp2_head_groups", {}), ("fsdp2_recompute_head_groups", RECOMPUTE)):
-            grouped_runs.clear()
-            model, input_ids, labels = patched_model_and_batch("sdpa", **options)
-            _fsdp2(model, mesh, shard_lm_head=False)
-            report[scenario] = {**_run(model, input_ids, labels), "grads": _full_grads(model)}
-            report[scenario]["head_grouped_layers"] = len(grouped_runs)
+        report = SCENARIO_SETS[scenario_set](init_device_mesh("cpu", (WORLD_SIZE,)))
+        _scenario("done")
+        dist.barrier()  # both ranks' collectives have finished before either tears down
         if rank == 0:  # a file: tensors sent through a queue would live in this process's shared memory
-            torch.save(report, results_path)
+            torch.save(report, os.path.join(folder, "results.tmp"))
+            os.replace(os.path.join(folder, "results.tmp"), os.path.join(folder, "results.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gloo")
-    results = folder / "results.pt"
-    mp.start_processes(
-        _worker, args=(str(folder / "store"), str(results)), nprocs=WORLD_SIZE, join=True, start_method="spawn"
-    )
+def _rank_log_summary(folder) -> str:
+    """One line: per rank, the scenario it reached, the lines that name an error and the innermost Python frame of
+    a fatal signal's traceback."""
+    parts = []
+    for rank in range(WORLD_SIZE):
+        path = os.path.join(folder, f"rank{rank}.log")
+        lines = open(path).read().splitlines() if os.path.exists(path) else []
+        reached = [line for line in lines if line.startswith("scenario ")][-1:] or ["no scenario started"]
+        markers = ("Error", "error", "terminate", "what()", "Fatal")
+        notes = [line.strip() for line in lines if any(marker in line for marker in markers)][:4]
+        for i, line in enumerate(lines[:-1]):
+            if "most recent call first" in line:
+                notes.append(lines[i + 1].strip())
+                break
+        parts.append(f"rank {rank}: {reached[0]}; {' / '.join(notes) or 'no error lines'} (log {path})")
+    return " | ".join(parts)
+
+
+def _spawn(tmp_path_factory, scenario_set: str) -> dict:
+    """Runs the set on two ranks and returns rank 0's report, written once both ranks passed the final barrier. A
+    rank that dies after that, in the process group's teardown, is reported as a warning: the results are whole."""
+    folder = str(tmp_path_factory.mktemp(scenario_set))
+    results = os.path.join(folder, "results.pt")
+    try:
+        mp.start_processes(_worker, args=(folder, scenario_set), nprocs=WORLD_SIZE, join=True, start_method="spawn")
+    except ProcessException as error:
+        summary = f"{scenario_set} on {WORLD_SIZE} gloo ranks: {error} | {_rank_log_summary(folder)}"
+        if not os.path.exists(results):
+            raise RuntimeError(summary) from None
+        warnings.warn(f"after both ranks finished every scenario, in teardown: {summary}", stacklevel=1)
     return torch.load(results)
+
+
+@pytest.fixture(scope="module")
+def ddp_fsdp2_ranks(tmp_path_factory):
+    return _spawn(tmp_path_factory, "ddp_fsdp2")
+
+
+@pytest.fixture(scope="module")
+def head_grouped_ranks(tmp_path_factory):
+    return _spawn(tmp_path_factory, "fsdp2_head_groups")
 
 
 @pytest.fixture(scope="module")
@@ -150,21 +222,27 @@ def single_process():
     return out.loss.detach(), grads, reference
 
 
-@pytest.mark.parametrize(
-    "scenario", ["ddp", "fsdp2", "fsdp2_own_head_logits", "fsdp2_head_groups", "fsdp2_recompute_head_groups"]
-)
-def test_two_ranks_match_one_process_on_the_full_batch(two_ranks, single_process, scenario):
+def _assert_matches_single_process(result, single_process, logits_skipped=True):
     loss, grads, _ = single_process
-    result = two_ranks[scenario]
-
-    assert result["logits_skipped"] is (scenario != "fsdp2_own_head_logits")
+    assert result["logits_skipped"] is logits_skipped
     assert result.get("head_sharded", True)  # FSDP2: lm_head.weight is sharded outside the forward
-    assert result.get("head_grouped_layers", 1) > 0  # the head-grouped scenarios did run by head groups
     torch.testing.assert_close(result["loss"], loss, **FP32)
     assert_grads_close(result["grads"], grads, **FP32)
 
 
-def test_fused_loss_with_a_separately_sharded_lm_head_is_a_clear_error(two_ranks):
-    message = two_ranks["fsdp2_own_head_error"]
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_own_head_logits"])
+def test_two_ranks_match_one_process_on_the_full_batch(ddp_fsdp2_ranks, single_process, scenario):
+    _assert_matches_single_process(ddp_fsdp2_ranks[scenario], single_process, scenario != "fsdp2_own_head_logits")
+
+
+@pytest.mark.parametrize("scenario", ["fsdp2_head_groups", "fsdp2_recompute_head_groups"])
+def test_head_grouped_attention_on_two_fsdp2_ranks_matches_one_process(head_grouped_ranks, single_process, scenario):
+    result = head_grouped_ranks[scenario]
+    assert result["head_grouped_layers"] > 0  # the scenario did run attention by head groups
+    _assert_matches_single_process(result, single_process)
+
+
+def test_fused_loss_with_a_separately_sharded_lm_head_is_a_clear_error(ddp_fsdp2_ranks):
+    message = ddp_fsdp2_ranks["fsdp2_own_head_error"]
     assert message is not None
     assert "lm_head.weight is a sharded DTensor" in message and "skip_logits=False" in message
