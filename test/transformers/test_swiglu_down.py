@@ -294,6 +294,31 @@ def test_mlp_state_dict_unchanged():
     assert list(mlp.state_dict()) == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
 
 
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_output_is_a_tensor_of_its_own(lead):
+    """Not a view of a tensor made inside the op: torch 2.11's compile turned such a view, returned at a graph break,
+    into a fake tensor of its base's shape ([B * S, H] for [B, S, H])."""
+    gate, up, weight, _ = random_inputs(lead, 24)
+    gate, up, weight = (t.requires_grad_() for t in (gate, up, weight))
+    out = liger_swiglu_down(gate * 1.0, up * 1.0, weight, in_place=True)
+    assert out._base is None and out.shape == (*lead, HIDDEN)
+
+
+def test_mlp_under_torch_compile_keeps_the_eager_numbers():
+    """The op runs outside the graph (a graph break on each side); compiled code reads its output and feeds it its
+    gradient. 3-D input, so the output reaches the next graph as a [B, S, H] tensor."""
+    mlp = make_mlp(seed=5)
+    x, grad_out = torch.randn(2, 3, HIDDEN), torch.randn(2, 3)
+
+    def block(mlp, x):
+        return (x + mlp(2.0 * x)).square().sum(-1)
+
+    expected = mlp_results(mlp, block, x, grad_out)
+    torch._dynamo.reset()
+    actual = mlp_results(mlp, torch.compile(block), x, grad_out)
+    assert_mlp_close(actual, expected, **FP32)
+
+
 # Memory: what one forward keeps for the backward
 
 
