@@ -152,6 +152,7 @@ def _worker(rank, folder, scenario_set):
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     faulthandler.enable(file=log, all_threads=True)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the host name resolves to
     store = os.path.join(folder, "store")
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE, timeout=COLLECTIVE_TIMEOUT
