@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_CPU := torch==2.13.0
+TORCH_PIN ?= torch==2.13.0
 REQUIREMENTS ?= requirements/ci.txt
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
@@ -15,16 +15,16 @@ FAST_TESTS ?= test/transformers/test_deepseek_v3_patch.py test/transformers/test
 	test/transformers/test_interleaved_rope.py test/transformers/test_moe_router.py \
 	test/transformers/test_grouped_experts.py test/transformers/test_head_grouped_attention.py
 
-.PHONY: demo test test-fast test-matrix test-convergence checkstyle format bench setup clean
+.PHONY: demo test test-fast test-matrix test-gpu-stack test-convergence checkstyle format bench setup clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@# A CUDA torch already present is kept; otherwise the CPU build, pinned (an unpinned torch pulls CUDA).
+	@# A CUDA torch already present is kept; otherwise $(TORCH_PIN), pinned (an unpinned torch pulls a CUDA build).
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null || \
-		$(PY) -m pip install -q $(TORCH_CPU)
+		$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -r $(REQUIREMENTS)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
@@ -44,6 +44,10 @@ test-matrix:
 	set -e; for v in $(MATRIX_VERSIONS); do \
 		$(MAKE) test-fast VENV=.venv-$$v REQUIREMENTS=requirements/transformers-$$v.txt; \
 	done
+
+# The whole suite with the GPU machine's torch, triton and transformers, on CPU through Triton 3.6's interpreter.
+test-gpu-stack:
+	$(MAKE) test VENV=.venv-gpu-stack REQUIREMENTS=requirements/gpu-stack.txt TORCH_PIN=torch==2.11.0
 
 test-convergence: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) test/convergence

@@ -5,9 +5,11 @@ Enable it with ``LIGER_DSPINE_INTERPRET=1`` in the environment before ``liger_ds
 Kernels are decorated when their module is imported, and only kernels decorated while ``TRITON_INTERPRET=1`` is set
 run through the interpreter.
 
-Two gaps of the interpreter are filled here:
+Gaps of the interpreter filled here:
 - Python float kernel arguments arrive as plain floats, so ``eps.to(tl.float32)`` fails: they are wrapped as fp32
   scalars, as the compiler does.
+- Triton 3.6 turns a scalar into a Python int (``range(0, n, BLOCK)`` over an int argument) with ``int()`` of a
+  one-element array, which NumPy 2.4 refuses; it is read as a scalar, as Triton 3.9 does.
 - ``libdevice.rsqrt`` and ``libdevice.tanh`` are declarations without a body: they are mapped to ``tl`` functions.
 The interpreter treats bf16 bit patterns as integers, so only fp32 and fp16 results are right on a CPU.
 """
@@ -49,6 +51,7 @@ def enable_cpu_interpreter() -> None:
     # The fused-MoE autotuner needs a GPU driver.
     os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
     _patch_float_arguments()
+    _patch_scalar_index()
     _patch_libdevice()
     _enabled = True
 
@@ -70,6 +73,21 @@ def _patch_float_arguments() -> None:
 
     implicit_cvt._liger_dspine = True
     interpreter._implicit_cvt = implicit_cvt
+
+
+def _patch_scalar_index() -> None:
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_liger_dspine", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    patch_lang_tensor._liger_dspine = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 def _patch_libdevice() -> None:
