@@ -197,9 +197,11 @@ def _spawn(tmp_path_factory, scenario_set: str) -> dict:
     try:
         mp.start_processes(_worker, args=(folder, scenario_set), nprocs=WORLD_SIZE, join=True, start_method="spawn")
     except ProcessException as error:
-        summary = f"{scenario_set} on {WORLD_SIZE} gloo ranks: {error} | {_rank_log_summary(folder)}"
+        # a rank's Python exception comes as its traceback: its last line names it
+        cause = str(error).strip().splitlines()[-1]
+        summary = f"{scenario_set} on {WORLD_SIZE} gloo ranks: {cause} | {_rank_log_summary(folder)}"
         if not os.path.exists(results):
-            raise RuntimeError(summary) from None
+            raise RuntimeError(f"{summary}\n{error}") from None
         warnings.warn(f"after both ranks finished every scenario, in teardown: {summary}", stacklevel=1)
     return torch.load(results)
 
