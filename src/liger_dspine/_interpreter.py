@@ -117,12 +117,17 @@ def _tanh(x):
     return tl.where(x >= 0, t, -t)
 
 
-def kernel_runs_on(tensor, kernel) -> bool:
-    """Whether the Triton ``kernel`` can run on ``tensor``'s device: CUDA, or a CPU when the kernel was decorated
-    under the interpreter (``TRITON_INTERPRET=1`` when its module was imported)."""
+def is_interpreted(kernel) -> bool:
+    """Whether the Triton ``kernel`` was decorated under the interpreter (``TRITON_INTERPRET=1`` when its module was
+    imported)."""
     import triton
 
-    return tensor.is_cuda or (tensor.device.type == "cpu" and not isinstance(kernel, triton.runtime.JITFunction))
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+def kernel_runs_on(tensor, kernel) -> bool:
+    """Whether the Triton ``kernel`` can run on ``tensor``'s device: CUDA, or a CPU when the kernel is interpreted."""
+    return tensor.is_cuda or (tensor.device.type == "cpu" and is_interpreted(kernel))
 
 
 def check_kernel_device(tensor, what: str) -> None:

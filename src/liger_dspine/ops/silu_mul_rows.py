@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine._interpreter import is_interpreted
 from liger_dspine._interpreter import kernel_runs_on
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -111,8 +112,7 @@ def _silu_mul_rows_backward_kernel(
         tl.store(dots_ptr + row, tl.sum(dot, axis=0))
 
 
-# Whether the kernels above were decorated under Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
-_INTERPRETED = not isinstance(_silu_mul_rows_kernel, triton.runtime.JITFunction)
+_INTERPRETED = is_interpreted(_silu_mul_rows_kernel)  # the kernels above, decorated under Triton's CPU interpreter
 
 
 def _launch_options(half: int) -> dict:
