@@ -4,8 +4,6 @@ The recompute walks the heads a group at a time in both passes; the group size i
 groups that do not divide the head count) so that the grouping, not a single group, is what gets compared.
 """
 
-import copy
-
 import pytest
 import torch
 from test_interleaved_rope import FP32
@@ -17,6 +15,7 @@ from test_interleaved_rope import _grads
 from test_interleaved_rope import _position_ids
 from test_interleaved_rope import _run_attention
 from test_interleaved_rope import assert_attention_grads_match
+from test_interleaved_rope import model_pair
 from transformers.cache_utils import DynamicCache
 
 from liger_dspine.models.deepseek_v3 import attention as liger_attention
@@ -204,8 +203,6 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
 def test_whole_model_with_gradient_checkpointing(device, monkeypatch, liger_class, use_reentrant):
     """Head groups inside transformers' gradient checkpointing of the decoder layers: the loss and every gradient
     match the native model's, and the head-grouped path did run."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
-
     monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", 1)  # one head a group
     monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", 1)
     grouped_runs = []
@@ -213,12 +210,7 @@ def test_whole_model_with_gradient_checkpointing(device, monkeypatch, liger_clas
     monkeypatch.setattr(
         liger_class, "_liger_head_grouped", lambda self, *a: grouped_runs.append(1) or original(self, *a)
     )
-    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    native = DeepseekV3ForCausalLM(config).to(device)
-    liger = copy.deepcopy(native)
-    for layer in liger.model.layers:
-        layer.self_attn.__class__ = liger_class
+    native, liger, config = model_pair(device, liger_class)
     input_ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
     losses = []
     for model in (native, liger):

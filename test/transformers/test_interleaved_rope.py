@@ -447,14 +447,21 @@ def test_attention_with_cache_matches_native(device, monkeypatch, latent_cache, 
     assert liger_cache.get_seq_length() == prefill + 1
 
 
-def test_model_with_liger_attention_matches_native(device):
-    """A whole two-layer model with every attention module swapped: loss and gradients match."""
+def model_pair(device, liger_class):
+    """(native, copy) two-layer causal LMs (sdpa), the copy's attention modules turned into ``liger_class``; and the
+    config."""
     config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
     torch.manual_seed(0)
     native = DeepseekV3ForCausalLM(config).to(device)
     liger = copy.deepcopy(native)
     for layer in liger.model.layers:
-        layer.self_attn.__class__ = LigerDeepseekV3Attention
+        layer.self_attn.__class__ = liger_class
+    return native, liger, config
+
+
+def test_model_with_liger_attention_matches_native(device):
+    """A whole two-layer model with every attention module swapped: loss and gradients match."""
+    native, liger, config = model_pair(device, LigerDeepseekV3Attention)
     input_ids = torch.randint(0, config.vocab_size, (2, 8), device=device)
     losses = [m(input_ids=input_ids, labels=input_ids).loss for m in (native, liger)]
     torch.testing.assert_close(losses[1], losses[0], **FP32)
