@@ -46,6 +46,7 @@ test-matrix:
 	done
 
 # The whole suite with the GPU machine's torch, triton and transformers, on CPU through Triton 3.6's interpreter.
+# Not in CI: PyPI's torch 2.11 is a CUDA build, about 4 GB of downloads on a new machine.
 test-gpu-stack:
 	$(MAKE) test VENV=.venv-gpu-stack REQUIREMENTS=requirements/gpu-stack.txt TORCH_PIN=torch==2.11.0
 
