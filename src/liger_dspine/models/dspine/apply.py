@@ -14,9 +14,10 @@ def apply_liger_kernel_to_dspine(
     Args:
         rms_norm: every RMSNorm (layer norms, q/k norms, ``hidden_norm``, final ``norm``) -> ``LigerRMSNorm``.
         swiglu: the decoder layers' SwiGLU MLPs -> ``LigerSwiGLUMLP``.
-        fused_objective: the objective's per-row CE, L1 to the teacher and top-k candidates through the frozen
-            head, computed chunk by chunk in Triton kernels (no [rows, vocab] logits kept, no head gradient).
-        model: None patches at class level (drafters and objectives built afterwards); a ``DSpineDraftModel``
+        fused_objective: objectives built without an explicit ``fused_objective`` compute the backbone CE, the L1
+            to the teacher and the top-k candidates through the frozen head with the fused kernel, chunk by chunk
+            (no [rows, vocab] logits kept, the input gradient formed in the forward, no head gradient).
+        model: None patches at class level (every drafter built afterwards, every objective); a ``DSpineDraftModel``
             or a ``DSpineObjective`` patches that instance only (an objective includes its drafter).
 
     Returns:

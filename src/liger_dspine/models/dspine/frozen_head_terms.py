@@ -6,32 +6,18 @@ teacher probabilities at those candidates (what the refinement loss needs). Only
 (through ``ce`` and ``l1``); W and the teacher are constants.
 
 This eager version materialises [R, V] fp32 logits for the rows it is given: callers bound R by chunking. A fused
-kernel with the same signature and outputs can replace it (see :func:`resolve_frozen_head_terms`).
+kernel with the same signature and outputs is :func:`liger_dspine.ops.frozen_head_objective.fused_frozen_head_terms`;
+the DSpine objective's fused path uses :func:`liger_dspine.ops.frozen_head_loss.fused_frozen_head_loss`.
 """
 
 from typing import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
 
-class FrozenHeadTerms(NamedTuple):
-    """Per-row results; all [R] or [R, K]. The last three are None on the CE-only path.
-
-    ce: fp32, -log softmax(x W^T)[label] (differentiable in the draft rows).
-    correct: bool, argmax of the draft logits == label (no grad).
-    l1: fp32, sum_v |softmax(x W^T)_v - softmax(t W^T)_v| (differentiable in the draft rows).
-    candidate_ids: long [R, K], top-k draft logits, descending (no grad).
-    candidate_teacher_probs: fp32 [R, K], teacher probabilities at candidate_ids (no grad).
-    """
-
-    ce: torch.Tensor
-    correct: torch.Tensor
-    l1: torch.Tensor | None = None
-    candidate_ids: torch.Tensor | None = None
-    candidate_teacher_probs: torch.Tensor | None = None
-
+__all__ = ["FrozenHeadTerms", "frozen_head_terms", "project_rows"]
 
 FrozenHeadTermsFn = Callable[..., FrozenHeadTerms]
 
@@ -87,16 +73,3 @@ def frozen_head_terms(
     candidate_ids = _top_k_candidates(logits, top_k)
     candidate_teacher_probs = teacher_probs.gather(-1, candidate_ids)
     return FrozenHeadTerms(ce, correct, l1, candidate_ids, candidate_teacher_probs)
-
-
-# The eager function under a name no patch rebinds (a class-level patch rebinds ``frozen_head_terms``).
-EAGER_FROZEN_HEAD_TERMS = frozen_head_terms
-
-
-def resolve_frozen_head_terms(fused: bool) -> FrozenHeadTermsFn:
-    """The eager :func:`frozen_head_terms`, or the fused Triton version of the same function."""
-    if not fused:
-        return frozen_head_terms
-    from liger_dspine.ops.frozen_head_objective import fused_frozen_head_terms
-
-    return fused_frozen_head_terms

@@ -21,8 +21,7 @@ from liger_dspine.models.dspine.blocks import noise_token_ids
 from liger_dspine.models.dspine.blocks import sample_anchor_positions
 from liger_dspine.models.dspine.blocks import teacher_positions
 from liger_dspine.models.dspine.chunking import checkpointed_chunk_reduce
-from liger_dspine.models.dspine.frozen_head_terms import EAGER_FROZEN_HEAD_TERMS
-from liger_dspine.models.dspine.frozen_head_terms import resolve_frozen_head_terms
+from liger_dspine.models.dspine.frozen_head_terms import frozen_head_terms
 from liger_dspine.models.dspine.masks import causal_block_flex_mask
 from liger_dspine.models.dspine.masks import causal_block_mask
 from liger_dspine.models.dspine.masks import draft_position_ids
@@ -98,8 +97,15 @@ class DSpineObjective(nn.Module):
         block_size: must equal the draft's when given.
         num_anchors: blocks drawn per row at most.
         loss_decay_gamma: position decay of proposal weights (None -> 7.0; <= 0 disables).
-        objective_chunk_blocks: blocks per objective chunk (0 = one chunk, no checkpointing).
-        fused_objective: use the fused frozen-head kernel instead of the eager :func:`frozen_head_terms`.
+        objective_chunk_blocks: blocks per objective chunk (0 = one chunk, no checkpointing). The eager path
+            computes everything chunk by chunk under activation checkpointing; the fused path only the refinement
+            and alignment terms (the frozen-head terms are chunked inside their kernel).
+        fused_objective: True computes the backbone CE, L1 and top-k candidates with the fused kernel
+            (:func:`~liger_dspine.ops.frozen_head_loss.fused_frozen_head_loss`), False with the eager
+            :func:`frozen_head_terms`; None (the default) follows ``apply_liger_kernel_to_dspine``: eager unless
+            the class or this objective was patched with ``fused_objective=True``.
+        head_chunk_rows: rows per chunk of the fused kernel; None fits each chunk's draft and teacher logits in
+            640 MiB (1024 rows at a 151936-token vocabulary in bf16). Results do not depend on it.
     """
 
     def __init__(
@@ -112,7 +118,8 @@ class DSpineObjective(nn.Module):
         num_anchors: int = 512,
         loss_decay_gamma: float | None = None,
         objective_chunk_blocks: int = 128,
-        fused_objective: bool = False,
+        fused_objective: bool | None = None,
+        head_chunk_rows: int | None = None,
     ):
         super().__init__()
         if block_size is not None and block_size != draft_model.block_size:
@@ -121,6 +128,10 @@ class DSpineObjective(nn.Module):
             )
         if objective_chunk_blocks < 0:
             raise ValueError(f"DSpine objective_chunk_blocks must be >= 0, got {objective_chunk_blocks}")
+        if fused_objective not in (None, True, False):
+            raise ValueError(f"DSpine fused_objective must be True, False or None, got {fused_objective!r}")
+        if head_chunk_rows is not None and head_chunk_rows < 1:
+            raise ValueError(f"DSpine head_chunk_rows must be >= 1 or None, got {head_chunk_rows}")
         if target_lm_head.bias is not None:
             raise ValueError("DSpine expects a target lm_head without bias")
         mask_token_id = draft_model.mask_token_id if mask_token_id is None else mask_token_id
@@ -135,58 +146,108 @@ class DSpineObjective(nn.Module):
         self.loss_decay_gamma = DEFAULT_LOSS_DECAY_GAMMA if loss_decay_gamma is None else loss_decay_gamma
         self.objective_chunk_blocks = objective_chunk_blocks
         self.dspine_config = draft_model.dspine_config
-        self.frozen_head_terms = resolve_frozen_head_terms(fused_objective)
+        self.explicit_fused_objective = fused_objective
+        self.head_chunk_rows = head_chunk_rows
         if not bool(draft_model.transfer_ready):
             draft_model.initialize_transfer_space(self.lm_head.weight)
 
+    def patched_fused_objective(self) -> bool:
+        """The patch's choice; ``apply_liger_kernel_to_dspine(fused_objective=True)`` replaces this method."""
+        return False
+
     @property
     def fused_objective(self) -> bool:
-        """Whether the frozen-head terms run fused: chosen at build time, or set by ``apply_liger_kernel_to_dspine``."""
-        return self.frozen_head_terms is not EAGER_FROZEN_HEAD_TERMS
+        """Whether the frozen-head terms run fused: the constructor's True or False, else the patch's choice."""
+        explicit = self.explicit_fused_objective
+        return self.patched_fused_objective() if explicit is None else explicit
+
+    @fused_objective.setter
+    def fused_objective(self, value: bool | None) -> None:
+        if value not in (None, True, False):
+            raise ValueError(f"DSpine fused_objective must be True, False or None, got {value!r}")
+        self.explicit_fused_objective = value
 
     # ---------------------------------------------------------------------------------------------- chunk functions
     def _ce_terms(self, hidden, labels, weights, supervised):
         """CE-only chunk: (sum CE * w, correct count)."""
         rows, proposals = labels.shape
-        terms = self.frozen_head_terms(hidden.reshape(rows * proposals, -1), self.lm_head.weight, labels.reshape(-1))
+        terms = frozen_head_terms(hidden.reshape(rows * proposals, -1), self.lm_head.weight, labels.reshape(-1))
         ce = terms.ce.view(rows, proposals)
         correct = (terms.correct.view(rows, proposals) & supervised).sum().float()
         return (ce * weights).sum(), correct
 
     def _objective_terms(self, hidden, pre, features, labels, previous, teacher, weights, supervised):
-        """Full chunk: (sum CE w, sum L1 w, sum ref w, sum align w, correct, coverage).
+        """Full eager chunk: (sum CE w, sum L1 w, sum ref w, sum align w, correct, coverage).
 
         Shapes: hidden/pre/teacher [c, P, H], features [c, L, P, r], labels/previous/weights/supervised [c, P].
         """
-        options = self.dspine_config
         rows, proposals = labels.shape
-        head = self.lm_head.weight
-        terms = self.frozen_head_terms(
+        terms = frozen_head_terms(
             hidden.reshape(rows * proposals, -1),
-            head,
+            self.lm_head.weight,
             labels.reshape(-1),
             teacher.reshape(rows * proposals, -1),
-            options.top_k,
+            self.dspine_config.top_k,
         )
         ce = terms.ce.view(rows, proposals)
         l1 = terms.l1.view(rows, proposals)
-        candidate_ids = terms.candidate_ids.view(rows, proposals, -1)
-        candidate_probs = terms.candidate_teacher_probs.view(rows, proposals, -1)
+        ref, align, coverage = self._candidate_terms(
+            pre,
+            features,
+            labels,
+            previous,
+            terms.candidate_ids.view(rows, proposals, -1),
+            terms.candidate_teacher_probs.view(rows, proposals, -1),
+            weights,
+            supervised,
+        )
+        with torch.no_grad():
+            correct = (terms.correct.view(rows, proposals) & supervised).sum().float()
+        return (ce * weights).sum(), (l1 * weights).sum(), ref, align, correct, coverage
+
+    def _candidate_terms(self, pre, features, labels, previous, candidate_ids, candidate_probs, weights, supervised):
+        """Refinement and alignment of a chunk: (sum ref w, sum align w, coverage); candidates [c, P, K]."""
+        options = self.dspine_config
         refined = self.draft_model.refine(pre, previous)
         ref, covered = refinement_terms(
-            refined, candidate_ids, candidate_probs, labels, head, options.ce_weight, options.candidate_mass_threshold
+            refined,
+            candidate_ids,
+            candidate_probs,
+            labels,
+            self.lm_head.weight,
+            options.ce_weight,
+            options.candidate_mass_threshold,
         )
         align = alignment_terms(features, self.draft_model.transfer_codes[labels])
         with torch.no_grad():
-            correct = (terms.correct.view(rows, proposals) & supervised).sum().float()
             coverage = (covered & supervised).sum().float()
-        return (
-            (ce * weights).sum(),
-            (l1 * weights).sum(),
-            (ref * weights).sum(),
-            (align * weights[:, None, :]).sum(),
-            correct,
-            coverage,
+        return (ref * weights).sum(), (align * weights[:, None, :]).sum(), coverage
+
+    def _fused_head_loss(self, hidden, labels, weights, teacher=None):
+        """The backbone terms of every row through the fused kernel (chunked inside it, never checkpointed).
+
+        Returns ``FrozenHeadLoss``: loss = sum w (ce_weight CE + (1 - ce_weight) L1), or sum w CE without a
+        teacher, differentiable in ``hidden``; per-row terms detached.
+        """
+        from liger_dspine.ops.frozen_head_loss import fused_frozen_head_loss
+
+        rows, proposals = labels.shape
+        flat_weights = weights.reshape(-1)
+        ce_weight = self.dspine_config.ce_weight
+        if teacher is None:
+            ce_scale, l1_scale, teacher_rows = flat_weights, None, None
+        else:
+            ce_scale, l1_scale = ce_weight * flat_weights, (1.0 - ce_weight) * flat_weights
+            teacher_rows = teacher.reshape(rows * proposals, -1)
+        return fused_frozen_head_loss(
+            hidden.reshape(rows * proposals, -1),
+            self.lm_head.weight,
+            labels.reshape(-1),
+            ce_scale,
+            teacher_rows,
+            l1_scale,
+            self.dspine_config.top_k if teacher is not None else 0,
+            chunk_rows=self.head_chunk_rows,
         )
 
     # ------------------------------------------------------------------------------------------------------ forward
@@ -256,10 +317,16 @@ class DSpineObjective(nn.Module):
         denominator = weights.sum()
         count = supervised.sum().float()
 
+        fused = self.fused_objective
         if ce_only:
-            ce, correct = checkpointed_chunk_reduce(
-                self._ce_terms, (hidden, labels, weights, supervised), self.objective_chunk_blocks
-            )
+            if fused:
+                head = self._fused_head_loss(hidden, labels, weights)
+                ce = head.loss
+                correct = (head.terms.correct.view(rows, proposals) & supervised).sum().float()
+            else:
+                ce, correct = checkpointed_chunk_reduce(
+                    self._ce_terms, (hidden, labels, weights, supervised), self.objective_chunk_blocks
+                )
             return DSpineObjectiveOutput(
                 loss=ce / denominator.clamp_min(1.0),
                 accuracy=correct / count.clamp_min(1.0),
@@ -278,16 +345,38 @@ class DSpineObjective(nn.Module):
             1, positions[..., None].expand(-1, -1, target_last_hidden_states.shape[-1])
         )
         teacher = teacher.reshape(rows, proposals, -1)
-        ce, l1, ref, align, correct, coverage = checkpointed_chunk_reduce(
-            self._objective_terms,
-            (hidden, pre, features, labels, previous, teacher, weights, supervised),
-            self.objective_chunk_blocks,
-        )
+        options = self.dspine_config
+        if fused:
+            head = self._fused_head_loss(hidden, labels, weights, teacher)
+            backbone = head.loss
+            ce = (head.terms.ce.view(rows, proposals) * weights).sum()
+            l1 = (head.terms.l1.view(rows, proposals) * weights).sum()
+            correct = (head.terms.correct.view(rows, proposals) & supervised).sum().float()
+            ref, align, coverage = checkpointed_chunk_reduce(
+                self._candidate_terms,
+                (
+                    pre,
+                    features,
+                    labels,
+                    previous,
+                    head.terms.candidate_ids.view(rows, proposals, -1),
+                    head.terms.candidate_teacher_probs.view(rows, proposals, -1),
+                    weights,
+                    supervised,
+                ),
+                self.objective_chunk_blocks,
+            )
+        else:
+            ce, l1, ref, align, correct, coverage = checkpointed_chunk_reduce(
+                self._objective_terms,
+                (hidden, pre, features, labels, previous, teacher, weights, supervised),
+                self.objective_chunk_blocks,
+            )
+            backbone = options.ce_weight * ce + (1.0 - options.ce_weight) * l1
         if alignment_ce is None:
             alignment_ce = global_mean_ce(ce.detach(), denominator.detach())
         alignment_ce = torch.as_tensor(alignment_ce, dtype=torch.float32, device=ce.device).detach()
-        options = self.dspine_config
-        numerator = options.ce_weight * ce + (1.0 - options.ce_weight) * l1 + ref + beta * alignment_ce * align
+        numerator = backbone + ref + beta * alignment_ce * align
         return DSpineObjectiveOutput(
             loss=numerator / denominator.clamp_min(1.0),
             accuracy=correct / count.clamp_min(1.0),

@@ -1,6 +1,7 @@
 """What the DSpine patch replaces, as data."""
 
 from liger_dspine.patching import ClassSwap
+from liger_dspine.patching import MethodSwap
 from liger_dspine.patching import PatchSpec
 
 BUILDERS = "liger_dspine.models.dspine.builders"
@@ -16,12 +17,14 @@ DSPINE_SPEC = PatchSpec(
         # layer norms, q/k norms, hidden_norm and the final norm are all built through builders.Qwen3RMSNorm
         ClassSwap("rms_norm", ("Qwen3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", ("Qwen3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
-        # the objective's per-row CE / L1 / top-k through the frozen head, chunked in Triton kernels
-        ClassSwap(
+        # the objective's backbone CE / L1 / top-k through the frozen head, chunked in Triton kernels; an objective
+        # built with an explicit fused_objective=True or False keeps its own choice
+        MethodSwap(
             "fused_objective",
-            ("frozen_head_terms",),
-            "liger_dspine.ops.frozen_head_objective:fused_frozen_head_terms",
-            module="liger_dspine.models.dspine.frozen_head_terms",
+            "DSpineObjective",
+            "patched_fused_objective",
+            "liger_dspine.models.dspine.fused_switch:fused_objective_on",
+            module="liger_dspine.models.dspine.objective",
         ),
     ),
 )

@@ -1,0 +1,285 @@
+"""Triton kernels and chunk helpers shared by the fused frozen-head ops.
+
+Per row of a chunk, with draft logits z = x W^T and teacher logits y = t W^T (both [C, V], contiguous):
+
+- ``_frozen_head_stats_kernel``: pass 1 over V gives logsumexp(z), logsumexp(y), the first argmax of z, z[label]
+  and the max of z over each ``TOPK_SUB`` columns; pass 2 gives l1 = sum |p - q| and S = sum p * sign(p - q).
+- ``_frozen_head_grad_kernel`` writes, in place of z,
+
+      dz = a * (p - onehot(label)) + b * p * (s - S),   s = sign(p - q)
+
+  for per-row scales a (CE) and b (L1): d l1 / d z_j = sum_v s_v p_v (delta_vj - p_j) = p_j (s_j - S).
+
+The top-k of z comes from the sub-block maxima: the K largest elements of a row lie in the K sub-blocks with the
+largest maxima (each of them is at least the K-th largest sub-block maximum), so ``torch.topk`` runs on those
+K x ``TOPK_SUB`` columns rather than on all V.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from liger_dspine.ops.gemm_dtype import gemm_dtype
+
+IGNORE_INDEX = -100
+TOPK_SUB = 256  # columns per sub-block whose maximum the stats kernel records
+_MAX_BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _frozen_head_stats_kernel(
+    draft_logits_ptr,  # [C, V] float, contiguous
+    teacher_logits_ptr,  # [C, V] float, contiguous (unused without a teacher)
+    labels_ptr,  # [C] int64
+    ce_ptr,  # [C] fp32 out
+    correct_ptr,  # [C] int8 out
+    l1_ptr,  # [C] fp32 out
+    draft_lse_ptr,  # [C] fp32 out
+    teacher_lse_ptr,  # [C] fp32 out
+    sign_mass_ptr,  # [C] fp32 out: S = sum_v p_v * sign(p_v - q_v)
+    sub_max_ptr,  # [C, NS] fp32 out: max of z over each TOPK_SUB columns (unused without a teacher)
+    vocab_size,
+    num_sub,
+    ignore_index,
+    HAS_TEACHER: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    draft_row = draft_logits_ptr + row * vocab_size
+    teacher_row = teacher_logits_ptr + row * vocab_size
+    cols = tl.arange(0, BLOCK_V)
+    subs = tl.arange(0, BLOCK_V // SUB)
+
+    # Pass 1: normalisers (online max / sum-exp), the first argmax of the draft, its sub-block maxima.
+    draft_max = float("-inf")
+    draft_sum = 0.0
+    best = 0
+    teacher_max = float("-inf")
+    teacher_sum = 0.0
+    for start in range(0, vocab_size, BLOCK_V):
+        offsets = start + cols
+        in_row = offsets < vocab_size
+        z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(z, axis=0)
+        block_best = start + tl.argmax(z, axis=0, tie_break_left=True)
+        best = tl.where(block_max > draft_max, block_best, best)  # strict: earlier blocks win ties
+        new_max = tl.maximum(draft_max, block_max)
+        draft_sum = draft_sum * tl.exp(draft_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        draft_max = new_max
+        if HAS_TEACHER:
+            sub_index = start // SUB + subs
+            sub_max = tl.max(tl.reshape(z, (BLOCK_V // SUB, SUB)), axis=1)
+            tl.store(sub_max_ptr + row * num_sub + sub_index, sub_max, mask=sub_index < num_sub)
+            y = tl.load(teacher_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+            new_teacher_max = tl.maximum(teacher_max, tl.max(y, axis=0))
+            teacher_sum = teacher_sum * tl.exp(teacher_max - new_teacher_max) + tl.sum(
+                tl.exp(y - new_teacher_max), axis=0
+            )
+            teacher_max = new_teacher_max
+    draft_lse = draft_max + tl.log(draft_sum)
+
+    label = tl.load(labels_ptr + row)
+    labelled = label != ignore_index
+    safe_label = tl.where(labelled, label, 0)
+    label_logit = tl.load(draft_row + safe_label).to(tl.float32)
+    tl.store(ce_ptr + row, tl.where(labelled, draft_lse - label_logit, 0.0))
+    tl.store(correct_ptr + row, (labelled & (best == safe_label)).to(tl.int8))
+    tl.store(draft_lse_ptr + row, draft_lse)
+
+    if HAS_TEACHER:
+        teacher_lse = teacher_max + tl.log(teacher_sum)
+        # Pass 2: the L1 distance and the sign mass S the gradient needs.
+        l1 = 0.0
+        sign_mass = 0.0
+        for start in range(0, vocab_size, BLOCK_V):
+            offsets = start + cols
+            in_row = offsets < vocab_size
+            z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+            y = tl.load(teacher_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+            p = tl.exp(z - draft_lse)
+            diff = p - tl.exp(y - teacher_lse)
+            sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+            l1 += tl.sum(tl.abs(diff), axis=0)
+            sign_mass += tl.sum(p * sign, axis=0)
+        tl.store(l1_ptr + row, l1)
+        tl.store(teacher_lse_ptr + row, teacher_lse)
+        tl.store(sign_mass_ptr + row, sign_mass)
+
+
+@triton.jit
+def _frozen_head_grad_kernel(
+    draft_logits_ptr,  # [C, V] float, contiguous: overwritten with dz
+    teacher_logits_ptr,  # [C, V] float, contiguous (unused without a teacher)
+    labels_ptr,  # [C] int64
+    ce_scale_ptr,  # [C] fp32: a, the CE gradient of each row
+    l1_scale_ptr,  # [C] fp32: b, the L1 gradient of each row (unused without a teacher)
+    draft_lse_ptr,  # [C] fp32
+    teacher_lse_ptr,  # [C] fp32
+    sign_mass_ptr,  # [C] fp32
+    vocab_size,
+    ignore_index,
+    HAS_TEACHER: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    draft_row = draft_logits_ptr + row * vocab_size
+    teacher_row = teacher_logits_ptr + row * vocab_size
+    cols = tl.arange(0, BLOCK_V)
+
+    label = tl.load(labels_ptr + row)
+    ce_scale = tl.where(label != ignore_index, tl.load(ce_scale_ptr + row), 0.0)
+    draft_lse = tl.load(draft_lse_ptr + row)
+    if HAS_TEACHER:
+        l1_scale = tl.load(l1_scale_ptr + row)
+        teacher_lse = tl.load(teacher_lse_ptr + row)
+        sign_mass = tl.load(sign_mass_ptr + row)
+    for start in range(0, vocab_size, BLOCK_V):
+        offsets = start + cols
+        in_row = offsets < vocab_size
+        z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - draft_lse)
+        grad = ce_scale * (p - tl.where(offsets == label, 1.0, 0.0))
+        if HAS_TEACHER:
+            y = tl.load(teacher_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+            diff = p - tl.exp(y - teacher_lse)
+            sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+            grad += l1_scale * p * (sign - sign_mass)
+        tl.store(draft_row + offsets, grad.to(draft_logits_ptr.dtype.element_ty), mask=in_row)
+
+
+def _block_v(vocab_size: int) -> int:
+    return max(TOPK_SUB, min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_size)))
+
+
+def chunk_logits(draft: torch.Tensor, teacher: torch.Tensor | None, weight: torch.Tensor):
+    """(z [C, V], y [C, V] or None), contiguous, in the weight's dtype; one GEMM for draft and teacher rows."""
+    rows = draft.shape[0]
+    if teacher is None:
+        return F.linear(draft.to(weight.dtype), weight).contiguous(), None
+    logits = F.linear(torch.cat([draft, teacher]).to(weight.dtype), weight)  # [2C, V], rows contiguous
+    return logits[:rows], logits[rows:]
+
+
+class ChunkStats:
+    """What the stats kernel gives for one chunk of rows; tensors [C] unless noted."""
+
+    def __init__(self, rows: int, vocab_size: int, has_teacher: bool, device: torch.device):
+        self.ce = torch.empty(rows, dtype=torch.float32, device=device)
+        self.correct = torch.empty(rows, dtype=torch.int8, device=device)
+        self.draft_lse = torch.empty_like(self.ce)
+        self.l1 = self.teacher_lse = self.sign_mass = self.sub_max = None
+        if has_teacher:
+            self.l1, self.teacher_lse, self.sign_mass = (torch.empty_like(self.ce) for _ in range(3))
+            self.sub_max = torch.empty(rows, triton.cdiv(vocab_size, TOPK_SUB), dtype=torch.float32, device=device)
+
+
+def chunk_stats(z: torch.Tensor, y: torch.Tensor | None, labels: torch.Tensor) -> ChunkStats:
+    rows, vocab_size = z.shape
+    has_teacher = y is not None
+    stats = ChunkStats(rows, vocab_size, has_teacher, z.device)
+    unused = stats.ce
+    _frozen_head_stats_kernel[(rows,)](
+        z,
+        y if has_teacher else z,
+        labels,
+        stats.ce,
+        stats.correct,
+        stats.l1 if has_teacher else unused,
+        stats.draft_lse,
+        stats.teacher_lse if has_teacher else unused,
+        stats.sign_mass if has_teacher else unused,
+        stats.sub_max if has_teacher else unused,
+        vocab_size,
+        stats.sub_max.shape[1] if has_teacher else 1,
+        IGNORE_INDEX,
+        HAS_TEACHER=has_teacher,
+        BLOCK_V=_block_v(vocab_size),
+        SUB=TOPK_SUB,
+        num_warps=NUM_WARPS,
+    )
+    return stats
+
+
+def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k: int):
+    """Top-k draft ids [C, K] (descending logits) and the teacher's probabilities there [C, K] fp32."""
+    rows, vocab_size = z.shape
+    if top_k * TOPK_SUB >= vocab_size:
+        ids = torch.topk(z, top_k, dim=-1).indices
+    else:
+        subs = torch.topk(stats.sub_max, top_k, dim=-1).indices  # [C, K]
+        cols = (subs[:, :, None] * TOPK_SUB + torch.arange(TOPK_SUB, device=z.device)).flatten(1)  # [C, K*SUB]
+        inside = cols < vocab_size
+        values = z.gather(-1, cols.clamp(max=vocab_size - 1)).masked_fill(~inside, float("-inf"))
+        ids = cols.gather(-1, torch.topk(values, top_k, dim=-1).indices)
+    probs = torch.exp(y.gather(-1, ids).float() - stats.teacher_lse[:, None])
+    return ids, probs
+
+
+def write_logit_grads(z, y, labels, ce_scale, l1_scale, stats: ChunkStats) -> None:
+    """Overwrite z [C, V] with dz for per-row scales ``ce_scale`` and ``l1_scale`` ([C] fp32)."""
+    rows, vocab_size = z.shape
+    has_teacher = y is not None
+    _frozen_head_grad_kernel[(rows,)](
+        z,
+        y if has_teacher else z,
+        labels,
+        ce_scale,
+        l1_scale if has_teacher else ce_scale,
+        stats.draft_lse,
+        stats.teacher_lse if has_teacher else stats.draft_lse,
+        stats.sign_mass if has_teacher else stats.draft_lse,
+        vocab_size,
+        IGNORE_INDEX,
+        HAS_TEACHER=has_teacher,
+        BLOCK_V=_block_v(vocab_size),
+        num_warps=NUM_WARPS,
+    )
+
+
+def default_chunk_rows(rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows per chunk such that chunk x V is about R x H (liger-kernel's fused linear cross entropy rule)."""
+    growth = triton.cdiv(vocab_size, hidden_size)
+    return max(1, min(rows, triton.next_power_of_2(triton.cdiv(rows, growth))))
+
+
+def check_inputs(draft_hidden, head_weight, labels, teacher_hidden, top_k, what: str) -> torch.dtype:
+    """Validate shapes, the top-k, the head's grad and the labels (one host sync); returns the GEMM dtype."""
+    if draft_hidden.dim() != 2 or head_weight.dim() != 2 or draft_hidden.shape[1] != head_weight.shape[1]:
+        raise ValueError(
+            f"liger-dspine: {what} expects draft rows [R, H] and a head [V, H], got {tuple(draft_hidden.shape)} "
+            f"and {tuple(head_weight.shape)}"
+        )
+    rows, vocab_size = draft_hidden.shape[0], head_weight.shape[0]
+    if labels.shape != (rows,):
+        raise ValueError(f"liger-dspine: {what} expects labels [{rows}], got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"liger-dspine: {what} expects integer labels, got {labels.dtype}")
+    if teacher_hidden is not None:
+        if teacher_hidden.shape != draft_hidden.shape:
+            raise ValueError(
+                f"liger-dspine: {what}: teacher rows {tuple(teacher_hidden.shape)} differ from draft rows "
+                f"{tuple(draft_hidden.shape)}"
+            )
+        if not 1 <= top_k <= vocab_size:
+            raise ValueError(f"liger-dspine: {what} needs 1 <= top_k <= vocab size ({vocab_size}), got {top_k}")
+    if torch.is_grad_enabled() and head_weight.requires_grad:
+        raise ValueError(
+            f"liger-dspine: {what} gives the head no gradient; freeze it (head_weight.requires_grad_(False)) "
+            "or use the eager frozen_head_terms"
+        )
+    check_labels(labels, vocab_size, what)
+    return gemm_dtype(draft_hidden, head_weight, what)
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int, what: str) -> None:
+    """Every label is IGNORE_INDEX or in [0, V); otherwise a ValueError naming the first bad label."""
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+    if labels.numel() and bool(bad.any()):
+        first = int(labels[bad][0])
+        raise ValueError(
+            f"liger-dspine: {what}: label {first} is outside the vocabulary [0, {vocab_size}) "
+            f"(and is not the ignore index {IGNORE_INDEX})"
+        )

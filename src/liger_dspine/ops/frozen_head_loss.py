@@ -1,0 +1,170 @@
+"""The weighted frozen-head loss of the DSpine objective, with its input gradient formed in the forward.
+
+    loss = sum_r a_r * ce_r + b_r * l1_r
+
+for per-row weights a (CE) and b (L1) known before the backward; ce and l1 are the frozen-head terms of
+:mod:`liger_dspine.ops.frozen_head_objective`. Since the loss's gradient reaches every row only through the one
+scalar g = d out / d loss, dz = a * dce/dz + b * dl1/dz can be formed chunk by chunk in the forward and projected
+at once: dx = dz W is kept ([R, H], fp32 where the GEMM can write it) and the backward returns g * dx. Per chunk
+that is one GEMM for draft and teacher logits together, the stats kernel, the top-k, the gradient kernel and one
+GEMM for dx: the three [C, H] x [H, V] products of the floor, nothing recomputed.
+
+The kept dx is never changed, so a retained graph gives the same gradient on every backward. Without autograd
+(or when x needs no gradient) the gradient kernel and its GEMM are skipped: the CE-only prepass of gradient
+accumulation costs one GEMM and one pass over the logits per chunk.
+"""
+
+import torch
+
+from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.frozen_head_kernels import check_inputs
+from liger_dspine.ops.frozen_head_kernels import chunk_candidates
+from liger_dspine.ops.frozen_head_kernels import chunk_logits
+from liger_dspine.ops.frozen_head_kernels import chunk_stats
+from liger_dspine.ops.frozen_head_kernels import write_logit_grads
+from liger_dspine.ops.frozen_head_results import FrozenHeadLoss
+from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
+
+# Logits buffer budget of one chunk: [2C, V] in the GEMM dtype (draft and teacher rows together).
+DEFAULT_CHUNK_BYTES = 640 * 2**20
+
+
+def loss_chunk_rows(rows: int, vocab_size: int, element_size: int, has_teacher: bool, budget: int) -> int:
+    """The largest power of two C <= rows (at least 1) whose chunk logits fit ``budget`` bytes."""
+    per_row = vocab_size * element_size * (2 if has_teacher else 1)
+    fit = max(1, budget // per_row)
+    return max(1, min(rows, 1 << (fit.bit_length() - 1)))
+
+
+def _project_grads(dz: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out [C, H] fp32 = dz [C, V] @ W [V, H], accumulated and written in fp32 where cuBLAS allows it."""
+    if dz.dtype == torch.float32 or dz.device.type != "cuda":
+        out.copy_(dz.mm(weight))
+        return
+    try:
+        out.copy_(torch.mm(dz, weight, out_dtype=torch.float32))
+    except (RuntimeError, TypeError, NotImplementedError):
+        out.copy_(dz.mm(weight))
+
+
+class LigerFrozenHeadLossFunction(torch.autograd.Function):
+    """``(x [R, H], W [V, H], labels [R], t [R, H] | None, a [R], b [R] | None, K, C, dtype, want_grad)`` ->
+    ``(loss, ce, correct[, l1, ids, probs])``; ``want_grad`` says whether to form dx. Only ``loss`` is
+    differentiable, and only in x."""
+
+    @staticmethod
+    def forward(
+        ctx, draft_hidden, head_weight, labels, teacher_hidden, ce_scale, l1_scale, top_k, chunk_rows, dtype, want_grad
+    ):
+        rows = draft_hidden.shape[0]
+        has_teacher = teacher_hidden is not None
+        device = draft_hidden.device
+        ce = torch.empty(rows, dtype=torch.float32, device=device)
+        correct = torch.empty(rows, dtype=torch.bool, device=device)
+        l1 = candidate_ids = candidate_probs = None
+        if has_teacher:
+            l1 = torch.empty_like(ce)
+            candidate_ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
+            candidate_probs = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+        grad_input = torch.empty(rows, draft_hidden.shape[1], dtype=torch.float32, device=device) if want_grad else None
+
+        with torch.autocast(device.type, enabled=False):
+            weight = head_weight.to(dtype)
+            for start in range(0, rows, chunk_rows):
+                end = min(start + chunk_rows, rows)
+                teacher = teacher_hidden[start:end] if has_teacher else None
+                z, y = chunk_logits(draft_hidden[start:end], teacher, weight)
+                stats = chunk_stats(z, y, labels[start:end])
+                ce[start:end], correct[start:end] = stats.ce, stats.correct
+                if has_teacher:
+                    l1[start:end] = stats.l1
+                    candidate_ids[start:end], candidate_probs[start:end] = chunk_candidates(z, y, stats, top_k)
+                if want_grad:
+                    chunk_l1_scale = l1_scale[start:end] if has_teacher else None
+                    write_logit_grads(z, y, labels[start:end], ce_scale[start:end], chunk_l1_scale, stats)
+                    _project_grads(z, weight, grad_input[start:end])
+
+        loss = (ce * ce_scale).sum()
+        if has_teacher:
+            loss = loss + (l1 * l1_scale).sum()
+        ctx.save_for_backward(grad_input)
+        ctx.input_dtype = draft_hidden.dtype
+        outputs = (loss, ce, correct) + ((l1, candidate_ids, candidate_probs) if has_teacher else ())
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        (grad_input,) = ctx.saved_tensors
+        if grad_input is None:
+            return (None,) * 10
+        out = torch.empty(grad_input.shape, dtype=ctx.input_dtype, device=grad_input.device)
+        torch.mul(grad_input, grad_loss.float(), out=out)  # fp32 product, one rounding to the input dtype
+        return out, *(None,) * 9
+
+
+def fused_frozen_head_loss(
+    draft_hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    ce_scale: torch.Tensor,
+    teacher_hidden: torch.Tensor | None = None,
+    l1_scale: torch.Tensor | None = None,
+    top_k: int = 0,
+    *,
+    chunk_rows: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> FrozenHeadLoss:
+    """sum(ce_scale * ce + l1_scale * l1) over R rows, and the per-row frozen-head terms, in one fused pass.
+
+    Args:
+        draft_hidden: [R, H] final-normed draft states (same dtype as ``head_weight`` outside autocast).
+        head_weight: [V, H] the frozen target lm_head weight (must not require grad while autograd is on).
+        labels: [R] integer target tokens; ``IGNORE_INDEX`` (-100) rows get ce = 0 and no CE gradient.
+        ce_scale: [R] weight of each row's CE in the loss (no gradient flows to it).
+        teacher_hidden: [R, H] target final states predicting the same tokens, or None for the CE-only path.
+        l1_scale: [R] weight of each row's L1 (required with a teacher).
+        top_k: K >= 1 when ``teacher_hidden`` is given.
+        chunk_rows: rows per chunk; None picks the largest power of two whose logits fit ``chunk_bytes``.
+        chunk_bytes: the chunk logits' budget in bytes ([2C, V] in the GEMM dtype with a teacher, [C, V] without).
+
+    Returns:
+        :class:`FrozenHeadLoss`: the differentiable scalar and the detached per-row :class:`FrozenHeadTerms`.
+    """
+    what = "fused frozen head loss"
+    dtype = check_inputs(draft_hidden, head_weight, labels, teacher_hidden, top_k, what)
+    check_kernel_device(draft_hidden, "the fused frozen-head objective")
+    rows, vocab_size = draft_hidden.shape[0], head_weight.shape[0]
+    has_teacher = teacher_hidden is not None
+    for name, scale in (("ce_scale", ce_scale), ("l1_scale", l1_scale if has_teacher else None)):
+        if has_teacher or name == "ce_scale":
+            if scale is None or scale.shape != (rows,):
+                found = None if scale is None else tuple(scale.shape)
+                raise ValueError(f"liger-dspine: {what} expects {name} of shape [{rows}], got {found}")
+    if chunk_rows is None:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        chunk_rows = loss_chunk_rows(rows, vocab_size, element_size, has_teacher, chunk_bytes)
+    if chunk_rows < 1:
+        raise ValueError(f"liger-dspine: chunk_rows must be >= 1, got {chunk_rows}")
+    device = draft_hidden.device
+    labels = labels.to(device=device, dtype=torch.int64).contiguous()
+    ce_scale = ce_scale.detach().to(device=device, dtype=torch.float32).contiguous()
+    if has_teacher:
+        teacher_hidden = teacher_hidden.detach()
+        l1_scale = l1_scale.detach().to(device=device, dtype=torch.float32).contiguous()
+    else:
+        l1_scale = None
+    want_grad = torch.is_grad_enabled() and draft_hidden.requires_grad
+    outputs = LigerFrozenHeadLossFunction.apply(
+        draft_hidden,
+        head_weight,
+        labels,
+        teacher_hidden,
+        ce_scale,
+        l1_scale,
+        int(top_k),
+        int(chunk_rows),
+        dtype,
+        want_grad,
+    )
+    return FrozenHeadLoss(outputs[0], FrozenHeadTerms(*outputs[1:]))
