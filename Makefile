@@ -10,10 +10,11 @@ STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 MATRIX_VERSIONS ?= 5.8.1 5.17
-FAST_TESTS ?= test/transformers/test_deepseek_v3_patch.py test/transformers/test_lce_forward.py \
-	test/transformers/test_registry.py test/transformers/test_auto_model.py test/transformers/test_module_parity.py \
-	test/transformers/test_interleaved_rope.py test/transformers/test_moe_router.py \
-	test/transformers/test_grouped_experts.py test/transformers/test_head_grouped_attention.py
+FAST_TESTS ?= test/transformers/deepseek_v3/test_deepseek_v3_patch.py test/transformers/patching/test_lce_forward.py \
+	test/transformers/patching/test_registry.py test/transformers/patching/test_auto_model.py \
+	test/transformers/deepseek_v3/test_module_parity.py test/transformers/ops/test_interleaved_rope.py \
+	test/transformers/ops/test_moe_router.py test/transformers/ops/test_grouped_experts.py \
+	test/transformers/deepseek_v3/test_head_grouped_attention.py
 
 .PHONY: demo test test-fast test-matrix test-gpu-stack test-convergence checkstyle format bench setup clean
 

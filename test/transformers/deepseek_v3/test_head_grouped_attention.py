@@ -6,22 +6,22 @@ groups that do not divide the head count) so that the grouping, not a single gro
 
 import pytest
 import torch
-from test_interleaved_rope import FP32
-from test_interleaved_rope import _attention_config
-from test_interleaved_rope import _attention_pair
-from test_interleaved_rope import _causal_mask
-from test_interleaved_rope import _cos_sin
-from test_interleaved_rope import _grads
-from test_interleaved_rope import _position_ids
-from test_interleaved_rope import _run_attention
-from test_interleaved_rope import assert_attention_grads_match
-from test_interleaved_rope import model_pair
 from transformers.cache_utils import DynamicCache
 
 from liger_dspine.models.deepseek_v3 import attention as liger_attention
 from liger_dspine.models.deepseek_v3 import head_groups
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3RecomputeAttention
+from mla_attention import FP32
+from mla_attention import assert_attention_grads_match
+from mla_attention import attention_config
+from mla_attention import attention_pair
+from mla_attention import causal_mask
+from mla_attention import cos_sin
+from mla_attention import layout_position_ids
+from mla_attention import model_pair
+from mla_attention import run_attention
+from mla_attention import vjp_grads
 
 # The latents' gradients sum the heads group by group: fp32 rounding of another summation order.
 GROUPED = dict(atol=1e-5, rtol=1e-4)
@@ -37,8 +37,8 @@ def _group_bytes_for(heads: int, config, tokens: int, element_size: int = 4) -> 
 
 def _inputs(config, device, batch, seq_len, layout="packed"):
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
-    cos, sin = _cos_sin(config.qk_rope_head_dim, _position_ids(layout, batch, seq_len), device)
-    return hidden, cos, sin, _causal_mask(batch, seq_len, seq_len, device)
+    cos, sin = cos_sin(config.qk_rope_head_dim, layout_position_ids(layout, batch, seq_len), device)
+    return hidden, cos, sin, causal_mask(batch, seq_len, seq_len, device)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -47,21 +47,21 @@ def _inputs(config, device, batch, seq_len, layout="packed"):
 @pytest.mark.parametrize("liger_class", [LigerDeepseekV3RecomputeAttention, LigerDeepseekV3Attention])
 def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, with_cache, liger_class):
     """Both modes: the recompute, and the plain class's kept per-group graphs (long sequences)."""
-    config = _attention_config(q_lora_rank, "sdpa")
+    config = attention_config(q_lora_rank, "sdpa")
     batch, seq_len = 2, 9
     # the largest power of two under the budget: 3 -> groups of 2, 2 (the head count is 4); 1 and 4 as they are
     budget = _group_bytes_for(group, config, batch * seq_len)
     monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", budget)
     monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", budget)
-    native, liger = _attention_pair(config, device, liger_class)
+    native, liger = attention_pair(config, device, liger_class)
     assert liger._liger_head_groups_apply()
     hidden, cos, sin, mask = _inputs(config, device, batch, seq_len)
 
     cache = DynamicCache(config=config) if with_cache else None
-    out = _run_attention(liger, hidden, cos, sin, mask, cache=cache)
+    out = run_attention(liger, hidden, cos, sin, mask, cache=cache)
     grouped = liger_class is LigerDeepseekV3RecomputeAttention or group < config.num_attention_heads
     assert (type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward") == grouped
-    ref = _run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
+    ref = run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
     torch.testing.assert_close(out, ref, **FP32)
 
     assert_attention_grads_match(out, ref, hidden, liger, native, GROUPED)
@@ -70,11 +70,11 @@ def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, wi
 def test_kept_groups_free_each_graph_in_backward(device, monkeypatch):
     """The plain class's per-group graphs are released group by group: a second backward through them fails
     with an error that says so instead of returning wrong gradients."""
-    config = _attention_config(12, "sdpa")
+    config = attention_config(12, "sdpa")
     monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", _group_bytes_for(1, config, 2 * 9))
-    _, liger = _attention_pair(config, device, LigerDeepseekV3Attention)
+    _, liger = attention_pair(config, device, LigerDeepseekV3Attention)
     hidden, cos, sin, mask = _inputs(config, device, 2, 9)
-    out = _run_attention(liger, hidden, cos, sin, mask)
+    out = run_attention(liger, hidden, cos, sin, mask)
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second time"):
         out.sum().backward()
@@ -97,12 +97,12 @@ def test_heads_per_group_is_a_power_of_two_under_the_budget():
 def test_head_grouped_keeps_only_latents(device):
     """Nothing per head is kept for backward: against the plain class, the saved tensors shrink by at least the
     query, key, value and attention output (``o_proj``'s input) of every head."""
-    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    config = attention_config(q_lora_rank=12, attn_implementation="sdpa")
     batch, seq_len, heads = 1, 6, config.num_attention_heads
     hidden, cos, sin, mask = _inputs(config, device, batch, seq_len, layout="contiguous")
 
     def saved_bytes(liger_class):
-        _, module = _attention_pair(config, device, liger_class)
+        _, module = attention_pair(config, device, liger_class)
         parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
         storages = {}
 
@@ -112,7 +112,7 @@ def test_head_grouped_keeps_only_latents(device):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _run_attention(module, hidden, cos, sin, mask)
+            out = run_attention(module, hidden, cos, sin, mask)
         out.sum().backward()
         assert all(p.grad is not None for p in module.parameters())
         return sum(storages.values())
@@ -139,8 +139,8 @@ def _wrapped_linear(linear):
 def test_other_set_ups_checkpoint_the_whole_core(device, case):
     """Where the heads cannot be grouped (eager attention returns weights, dropout draws random numbers, a
     projection is not a plain Linear or has hooks), the core is checkpointed whole and matches the native module."""
-    config = _attention_config(12, "eager" if case == "eager" else "sdpa")
-    native, liger = _attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
+    config = attention_config(12, "eager" if case == "eager" else "sdpa")
+    native, liger = attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
     if case == "dropout":
         liger.attention_dropout = 0.5  # random masks differ between the passes: only the rule is checked
         assert not liger._liger_head_groups_apply()
@@ -154,10 +154,10 @@ def test_other_set_ups_checkpoint_the_whole_core(device, case):
         liger.o_proj.register_forward_hook(lambda module, args, out: hook_calls.append(out.shape))
     assert not liger._liger_head_groups_apply()
     hidden, cos, sin, mask = _inputs(config, device, 2, 7)
-    out = _run_attention(liger, hidden, cos, sin, mask)
+    out = run_attention(liger, hidden, cos, sin, mask)
     assert type(out.grad_fn).__name__ != "HeadGroupedAttentionBackward"
     assert len(hook_calls) == (case == "hooked_o_proj")
-    ref = _run_attention(native, hidden, cos, sin, mask)
+    ref = run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
     assert_attention_grads_match(out, ref, hidden, liger, native, FP32)
 
@@ -169,12 +169,12 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
     """bf16 weights, or fp32 weights under bf16 autocast (mixed-precision training, where a recompute must cast as
     the forward did): one head per group against the plain class running every head at once; the gradients come
     back in the weights' dtype."""
-    config = _attention_config(12, "sdpa")
+    config = attention_config(12, "sdpa")
     batch, seq_len = 2, 33
     budget = _group_bytes_for(1, config, batch * seq_len, 2)
     monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", budget)
     monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", budget)
-    plain, liger = _attention_pair(config, "cuda", liger_class)
+    plain, liger = attention_pair(config, "cuda", liger_class)
     plain.__class__ = LigerDeepseekV3Attention
     monkeypatch.setattr(plain, "_liger_head_groups_apply", lambda: False)  # every head at once
     hidden, cos, sin, mask = _inputs(config, "cuda", batch, seq_len)
@@ -185,9 +185,9 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
     results = []
     for module in (liger, plain):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
-            out = _run_attention(module, hidden, cos, sin, mask)
+            out = run_attention(module, hidden, cos, sin, mask)
         grad = torch.ones_like(out)
-        results.append((out, _grads([out], [hidden, *module.parameters()], [grad])))
+        results.append((out, vjp_grads([out], [hidden, *module.parameters()], [grad])))
     (out, got), (ref, want) = results
     assert type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward"
     assert out.dtype == ref.dtype == torch.bfloat16

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "bench_deepseek_v3.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmark" / "bench_deepseek_v3.py"
 
 
 @pytest.fixture(scope="module")

@@ -4,82 +4,31 @@ CPU runs go through Triton's interpreter in fp32: the kernels do the same fp32 p
 eager code, so results agree to fp32 rounding (on CPU they are bit-equal; a GPU may contract to FMA).
 """
 
-import copy
-
 import pytest
 import torch
-from transformers import DeepseekV3Config
 from transformers.cache_utils import DynamicCache
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
 from liger_dspine.models.deepseek_v3 import attention as liger_attention
-from liger_dspine.models.deepseek_v3.attention import NATIVE_CACHE_ARG
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3RecomputeAttention
 from liger_dspine.ops.interleaved_rope import liger_interleaved_rope
 from liger_dspine.ops.interleaved_rope import liger_mla_key
 from liger_dspine.ops.interleaved_rope import liger_mla_query
-
-# fp32: both sides do the same fp32 operations; a GPU may fuse a product and a sum (1 ulp), and the rope-key
-# gradient sums heads in another order.
-FP32 = dict(atol=1e-6, rtol=1e-5)
-
-
-def _position_ids(layout: str, batch: int, seq_len: int) -> torch.Tensor:
-    if layout == "contiguous":  # one row of positions shared by the batch: cos/sin are [1, S, R]
-        return torch.arange(seq_len)[None]
-    if layout == "offset":  # a different start per row, as after a cache
-        return torch.arange(seq_len)[None] + torch.tensor([[3], [11]])[:batch]
-    if layout == "packed":  # several documents per row
-        first = torch.cat([torch.arange(3), torch.arange(seq_len - 3)])
-        second = torch.cat([torch.arange(2), torch.arange(2), torch.arange(seq_len - 4)])
-        return torch.stack([first, second])[:batch]
-    raise ValueError(layout)
-
-
-def _rope_config(rope_dim: int, yarn: bool = False) -> DeepseekV3Config:
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if yarn:
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 16,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        }
-    return DeepseekV3Config(
-        vocab_size=64,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        qk_rope_head_dim=rope_dim,
-        qk_nope_head_dim=8,
-        v_head_dim=12,
-        kv_lora_rank=16,
-        max_position_embeddings=64,
-        rope_parameters=rope,
-    )
-
-
-def _cos_sin(rope_dim: int, position_ids: torch.Tensor, device, dtype=torch.float32, yarn: bool = False):
-    rotary = DeepseekV3RotaryEmbedding(_rope_config(rope_dim, yarn)).to(device)
-    x = torch.empty(1, dtype=dtype, device=device)
-    return rotary(x, position_ids.to(device))
-
-
-def _grads(outputs, inputs, grad_outputs):
-    loss = sum((o * g).sum() for o, g in zip(outputs, grad_outputs))
-    return torch.autograd.grad(loss, inputs)
+from mla_attention import FP32
+from mla_attention import assert_attention_grads_match
+from mla_attention import attention_config
+from mla_attention import attention_pair
+from mla_attention import causal_mask
+from mla_attention import cos_sin
+from mla_attention import layout_position_ids
+from mla_attention import model_pair
+from mla_attention import run_attention
+from mla_attention import vjp_grads
 
 
 def test_transformers_cos_sin_carry_no_gradient(device):
-    cos, sin = _cos_sin(8, _position_ids("offset", 2, 5), device)
+    cos, sin = cos_sin(8, layout_position_ids("offset", 2, 5), device)
     assert not cos.requires_grad and not sin.requires_grad
 
 
@@ -88,7 +37,7 @@ def test_transformers_cos_sin_carry_no_gradient(device):
 def test_rope_matches_transformers(device, layout, seq_len, rope_dim):
     batch, heads, nope = 2, 3, 4
     torch.manual_seed(seq_len * rope_dim)
-    cos, sin = _cos_sin(rope_dim, _position_ids(layout, batch, seq_len), device, yarn=layout == "packed")
+    cos, sin = cos_sin(rope_dim, layout_position_ids(layout, batch, seq_len), device, yarn=layout == "packed")
     # q as a strided slice of a [B, S, H, nope + R] projection, k as a slice of the compressed kv row.
     q_states = torch.randn(batch, seq_len, heads, nope + rope_dim, device=device).transpose(1, 2)
     q_states.requires_grad_()
@@ -105,8 +54,8 @@ def test_rope_matches_transformers(device, layout, seq_len, rope_dim):
             assert torch.equal(o, r)
 
     grad_outputs = [torch.randn_like(r) for r in ref]
-    grads = _grads(out, (q_states, compressed), grad_outputs)
-    ref_grads = _grads(ref, (q_states, compressed), grad_outputs)
+    grads = vjp_grads(out, (q_states, compressed), grad_outputs)
+    ref_grads = vjp_grads(ref, (q_states, compressed), grad_outputs)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, **FP32)
 
@@ -132,7 +81,7 @@ def _native_key(kv, k_rot, cos, sin, nope):
 def test_mla_query_matches_split_rope_cat(device, layout, nope):
     batch, heads, seq_len, rope_dim = 2, 3, 9, 8
     torch.manual_seed(nope)
-    cos, sin = _cos_sin(rope_dim, _position_ids(layout, batch, seq_len), device)
+    cos, sin = cos_sin(rope_dim, layout_position_ids(layout, batch, seq_len), device)
     q_states = torch.randn(batch, seq_len, heads * (nope + rope_dim), device=device, requires_grad=True)
     q_view = q_states.view(batch, seq_len, heads, nope + rope_dim).transpose(1, 2)
 
@@ -143,8 +92,8 @@ def test_mla_query_matches_split_rope_cat(device, layout, nope):
     torch.testing.assert_close(query, ref, **FP32)
 
     grad = torch.randn_like(ref)
-    (got,) = _grads([query], [q_states], [grad])
-    (want,) = _grads([ref], [q_states], [grad])
+    (got,) = vjp_grads([query], [q_states], [grad])
+    (want,) = vjp_grads([ref], [q_states], [grad])
     torch.testing.assert_close(got, want, **FP32)
 
 
@@ -154,7 +103,7 @@ def test_mla_query_backward_in_the_gradient_it_gets(device, nope):
     place and handed on: same numbers as the native split / rope / cat."""
     batch, heads, seq_len, rope_dim = 2, 3, 9, 8
     torch.manual_seed(10 + nope)
-    cos, sin = _cos_sin(rope_dim, _position_ids("packed", batch, seq_len), device)
+    cos, sin = cos_sin(rope_dim, layout_position_ids("packed", batch, seq_len), device)
     q_states = torch.randn(batch, seq_len, heads * (nope + rope_dim), device=device, requires_grad=True)
     q_view = q_states.view(batch, seq_len, heads, nope + rope_dim).transpose(1, 2)
     grad = torch.randn(batch, seq_len, heads, nope + rope_dim, device=device).transpose(1, 2)
@@ -170,7 +119,7 @@ def test_mla_query_backward_in_the_gradient_it_gets(device, nope):
 def test_mla_key_matches_expand_kv(device, rotate):
     batch, heads, seq_len, nope, v_dim, rope_dim, lora = 2, 3, 7, 8, 12, 8, 16
     torch.manual_seed(int(rotate))
-    cos, sin = _cos_sin(rope_dim, _position_ids("packed", batch, seq_len), device) if rotate else (None, None)
+    cos, sin = cos_sin(rope_dim, layout_position_ids("packed", batch, seq_len), device) if rotate else (None, None)
     kv_flat = torch.randn(batch, seq_len, heads * (nope + v_dim), device=device, requires_grad=True)
     kv = kv_flat.view(batch, seq_len, heads, nope + v_dim).transpose(1, 2)
     compressed = torch.randn(batch, seq_len, lora + rope_dim, device=device, requires_grad=True)
@@ -184,8 +133,8 @@ def test_mla_key_matches_expand_kv(device, rotate):
     assert torch.equal(value, ref_value)
 
     grad_outputs = [torch.randn_like(ref_key), torch.randn_like(ref_value)]
-    grads = _grads([key, value], [kv_flat, compressed], grad_outputs)
-    ref_grads = _grads([ref_key, ref_value], [kv_flat, compressed], grad_outputs)
+    grads = vjp_grads([key, value], [kv_flat, compressed], grad_outputs)
+    ref_grads = vjp_grads([ref_key, ref_value], [kv_flat, compressed], grad_outputs)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, **FP32)
 
@@ -196,7 +145,7 @@ def test_mla_key_value_only_loss(device):
     kv_flat = torch.randn(batch, seq_len, heads * (nope + v_dim), device=device, requires_grad=True)
     kv = kv_flat.view(batch, seq_len, heads, nope + v_dim).transpose(1, 2)
     k_rot = torch.randn(batch, 1, seq_len, rope_dim, device=device, requires_grad=True)
-    cos, sin = _cos_sin(rope_dim, _position_ids("contiguous", batch, seq_len), device)
+    cos, sin = cos_sin(rope_dim, layout_position_ids("contiguous", batch, seq_len), device)
     _, value = liger_mla_key(kv, k_rot, cos, sin, nope)
     value.sum().backward()
     expected = torch.zeros_like(kv)
@@ -207,7 +156,7 @@ def test_mla_key_value_only_loss(device):
 
 def test_cos_sin_requiring_grad_is_refused(device):
     q = torch.randn(1, 2, 3, 4, device=device, requires_grad=True)
-    cos, sin = _cos_sin(4, _position_ids("contiguous", 1, 3), device)
+    cos, sin = cos_sin(4, layout_position_ids("contiguous", 1, 3), device)
     with pytest.raises(NotImplementedError):
         liger_interleaved_rope(q, q, cos.requires_grad_(), sin)
 
@@ -220,7 +169,7 @@ def _check_low_precision(device, dtype, batch, heads, seq_len, nope, rope_dim, v
     and sum. The rope-key gradient sums the heads: atol covers the fp32 reordering.
     """
     torch.manual_seed(0)
-    cos, sin = _cos_sin(rope_dim, _position_ids("offset", batch, seq_len), device, dtype=dtype)
+    cos, sin = cos_sin(rope_dim, layout_position_ids("offset", batch, seq_len), device, dtype=dtype)
     leaves = [
         torch.randn(batch, seq_len, heads * (nope + rope_dim), device=device, dtype=dtype),
         torch.randn(batch, seq_len, heads * (nope + v_dim), device=device, dtype=dtype),
@@ -240,7 +189,7 @@ def _check_low_precision(device, dtype, batch, heads, seq_len, nope, rope_dim, v
         k_rot = compressed[..., lora:].view(batch, 1, seq_len, rope_dim)
         c, s = cast(cos), cast(sin)
         outputs = [query_fn(q, c, s, rope_dim), *key_fn(kv, k_rot, c, s, nope)]
-        grads = _grads(outputs, [q_flat, kv_flat, compressed], [cast(g) for g in grad_outputs])
+        grads = vjp_grads(outputs, [q_flat, kv_flat, compressed], [cast(g) for g in grad_outputs])
         return [t.detach().float() for t in (*outputs, *grads)]
 
     got = run(liger_mla_query, liger_mla_key, lambda t: t.detach().clone())
@@ -273,7 +222,7 @@ def test_mla_kernels_deepseek_widths_fp32_cuda():
     batch, heads, seq_len, nope, rope_dim, v_dim, lora = 2, 128, 1024, 128, 64, 128, 512
     torch.manual_seed(0)
     device = "cuda"
-    cos, sin = _cos_sin(rope_dim, _position_ids("offset", batch, seq_len), device)
+    cos, sin = cos_sin(rope_dim, layout_position_ids("offset", batch, seq_len), device)
     q_flat = torch.randn(batch, seq_len, heads * (nope + rope_dim), device=device, requires_grad=True)
     kv_flat = torch.randn(batch, seq_len, heads * (nope + v_dim), device=device, requires_grad=True)
     compressed = torch.randn(batch, seq_len, lora + rope_dim, device=device, requires_grad=True)
@@ -285,60 +234,13 @@ def test_mla_kernels_deepseek_widths_fp32_cuda():
     ref = [_native_query(q, cos, sin, rope_dim), *_native_key(kv, k_rot, cos, sin, nope)]
     grad_outputs = [torch.randn_like(r) for r in ref]
     leaves = [q_flat, kv_flat, compressed]
-    for got, want in zip(out + list(_grads(out, leaves, grad_outputs)), ref + list(_grads(ref, leaves, grad_outputs))):
+    for got, want in zip(
+        out + list(vjp_grads(out, leaves, grad_outputs)), ref + list(vjp_grads(ref, leaves, grad_outputs))
+    ):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ---- the attention module -----------------------------------------------------------------------------------
-
-
-def _attention_config(q_lora_rank, attn_implementation="eager", rope_interleave=True) -> DeepseekV3Config:
-    config = DeepseekV3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        max_position_embeddings=64,
-        rope_interleave=rope_interleave,
-        attention_dropout=0.0,
-    )
-    config._attn_implementation = attn_implementation
-    return config
-
-
-def _causal_mask(batch, q_len, kv_len, device):
-    offset = kv_len - q_len
-    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(offset)
-    mask = torch.zeros(q_len, kv_len, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    return mask[None, None].expand(batch, 1, q_len, kv_len)
-
-
-def _attention_pair(config, device, liger_class=LigerDeepseekV3Attention):
-    torch.manual_seed(0)
-    native = DeepseekV3Attention(config, layer_idx=0).to(device)
-    for p in native.parameters():  # RMSNorm weights start at ones: make them count
-        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
-    liger = copy.deepcopy(native)
-    liger.__class__ = liger_class  # as an instance patch does
-    return native, liger
-
-
-def _run_attention(module, hidden, cos, sin, mask, cache=None, cache_arg=NATIVE_CACHE_ARG):
-    out, _ = module(hidden, position_embeddings=(cos, sin), attention_mask=mask, **{cache_arg: cache})
-    return out
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
@@ -346,30 +248,19 @@ def _run_attention(module, hidden, cos, sin, mask, cache=None, cache_arg=NATIVE_
 @pytest.mark.parametrize("rope_interleave", [True, False])
 @pytest.mark.parametrize("liger_class", [LigerDeepseekV3Attention, LigerDeepseekV3RecomputeAttention])
 def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope_interleave, liger_class):
-    config = _attention_config(q_lora_rank, attn_implementation, rope_interleave)
-    native, liger = _attention_pair(config, device, liger_class)
+    config = attention_config(q_lora_rank, attn_implementation, rope_interleave)
+    native, liger = attention_pair(config, device, liger_class)
     assert liger.state_dict().keys() == native.state_dict().keys()
     batch, seq_len = 2, 9
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
-    cos, sin = _cos_sin(config.qk_rope_head_dim, _position_ids("packed", batch, seq_len), device)
-    mask = _causal_mask(batch, seq_len, seq_len, device)
+    cos, sin = cos_sin(config.qk_rope_head_dim, layout_position_ids("packed", batch, seq_len), device)
+    mask = causal_mask(batch, seq_len, seq_len, device)
 
-    out = _run_attention(liger, hidden, cos, sin, mask)
-    ref = _run_attention(native, hidden, cos, sin, mask)
+    out = run_attention(liger, hidden, cos, sin, mask)
+    ref = run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
 
     assert_attention_grads_match(out, ref, hidden, liger, native, FP32)
-
-
-def assert_attention_grads_match(out, ref, hidden, liger, native, tolerance):
-    """Backward of one random output gradient through both modules: the hidden states' and every parameter's
-    gradients agree within ``tolerance``, each named on failure."""
-    grad = torch.randn_like(ref)
-    got = _grads([out], [hidden, *liger.parameters()], [grad])
-    want = _grads([ref], [hidden, *native.parameters()], [grad])
-    names = ["hidden_states"] + [name for name, _ in native.named_parameters()]
-    for name, g, w in zip(names, got, want):
-        torch.testing.assert_close(g, w, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("with_cache", [False, True])
@@ -379,14 +270,14 @@ def test_recompute_attention_keeps_less_for_backward(device, with_cache):
     with the cache transformers' models make in training (use_cache defaults to True)."""
     if with_cache and not liger_attention.LATENT_CACHE:
         pytest.skip("transformers < 5.17 caches expanded keys: no recompute with a cache")
-    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    config = attention_config(q_lora_rank=12, attn_implementation="sdpa")
     batch, seq_len, heads = 1, 6, config.num_attention_heads
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
-    cos, sin = _cos_sin(config.qk_rope_head_dim, _position_ids("contiguous", batch, seq_len), device)
-    mask = _causal_mask(batch, seq_len, seq_len, device)
+    cos, sin = cos_sin(config.qk_rope_head_dim, layout_position_ids("contiguous", batch, seq_len), device)
+    mask = causal_mask(batch, seq_len, seq_len, device)
 
     def saved_bytes(liger_class):
-        _, module = _attention_pair(config, device, liger_class)
+        _, module = attention_pair(config, device, liger_class)
         parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
         storages = {}
 
@@ -398,7 +289,7 @@ def test_recompute_attention_keeps_less_for_backward(device, with_cache):
 
         cache = DynamicCache(config=config) if with_cache else None
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _run_attention(module, hidden, cos, sin, mask, cache=cache)
+            out = run_attention(module, hidden, cos, sin, mask, cache=cache)
         out.sum().backward()
         assert all(p.grad is not None for p in module.parameters())
         return sum(storages.values())
@@ -408,16 +299,16 @@ def test_recompute_attention_keeps_less_for_backward(device, with_cache):
 
 
 def test_attention_class_level_construction_loads_native_weights(device):
-    config = _attention_config(q_lora_rank=12)
-    native, _ = _attention_pair(config, device)
+    config = attention_config(q_lora_rank=12)
+    native, _ = attention_pair(config, device)
     liger = LigerDeepseekV3Attention(config, layer_idx=0).to(device)
     liger.load_state_dict(native.state_dict())
     hidden = torch.randn(1, 5, config.hidden_size, device=device)
-    cos, sin = _cos_sin(config.qk_rope_head_dim, _position_ids("contiguous", 1, 5), device)
-    mask = _causal_mask(1, 5, 5, device)
+    cos, sin = cos_sin(config.qk_rope_head_dim, layout_position_ids("contiguous", 1, 5), device)
+    mask = causal_mask(1, 5, 5, device)
     with torch.no_grad():
         torch.testing.assert_close(
-            _run_attention(liger, hidden, cos, sin, mask), _run_attention(native, hidden, cos, sin, mask), **FP32
+            run_attention(liger, hidden, cos, sin, mask), run_attention(native, hidden, cos, sin, mask), **FP32
         )
 
 
@@ -430,33 +321,21 @@ def test_attention_with_cache_matches_native(device, monkeypatch, latent_cache, 
     its outputs must still equal the native ones.
     """
     monkeypatch.setattr(liger_attention, "LATENT_CACHE", latent_cache)
-    config = _attention_config(q_lora_rank=None)
-    native, liger = _attention_pair(config, device)
+    config = attention_config(q_lora_rank=None)
+    native, liger = attention_pair(config, device)
     batch, prefill = 2, 6
     hidden = torch.randn(batch, prefill + 1, config.hidden_size, device=device)
-    positions = _position_ids("contiguous", batch, prefill + 1)
-    cos, sin = _cos_sin(config.qk_rope_head_dim, positions, device)
+    positions = layout_position_ids("contiguous", batch, prefill + 1)
+    cos, sin = cos_sin(config.qk_rope_head_dim, positions, device)
     native_cache, liger_cache = DynamicCache(), DynamicCache()
     with torch.no_grad():
-        steps = [(slice(0, prefill), _causal_mask(batch, prefill, prefill, device)), (slice(prefill, None), None)]
+        steps = [(slice(0, prefill), causal_mask(batch, prefill, prefill, device)), (slice(prefill, None), None)]
         for part, mask in steps:
             args = (hidden[:, part], cos[:, part], sin[:, part], mask)
-            ref = _run_attention(native, *args, cache=native_cache)
-            out = _run_attention(liger, *args, cache=liger_cache, cache_arg=cache_arg)
+            ref = run_attention(native, *args, cache=native_cache)
+            out = run_attention(liger, *args, cache=liger_cache, cache_arg=cache_arg)
             torch.testing.assert_close(out, ref, **FP32)
     assert liger_cache.get_seq_length() == prefill + 1
-
-
-def model_pair(device, liger_class):
-    """(native, copy) two-layer causal LMs (sdpa), the copy's attention modules turned into ``liger_class``; and the
-    config."""
-    config = _attention_config(q_lora_rank=12, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    native = DeepseekV3ForCausalLM(config).to(device)
-    liger = copy.deepcopy(native)
-    for layer in liger.model.layers:
-        layer.self_attn.__class__ = liger_class
-    return native, liger, config
 
 
 def test_model_with_liger_attention_matches_native(device):
@@ -478,7 +357,7 @@ def test_attention_output_reaches_o_proj_without_a_copy(dtype):
     """Flash / cuDNN attention keep the [B, S, H, D] memory of the assembled query: the output then reshapes to
     [B, S, H * D] as a view, so o_proj saves the attention output itself and no copy of it."""
     batch, heads, seq_len, nope, v_dim, rope_dim = 1, 8, 256, 128, 128, 64
-    cos, sin = _cos_sin(rope_dim, _position_ids("contiguous", batch, seq_len), "cuda")
+    cos, sin = cos_sin(rope_dim, layout_position_ids("contiguous", batch, seq_len), "cuda")
     q_states = torch.randn(batch, seq_len, heads * (nope + rope_dim), device="cuda", dtype=dtype)
     kv = torch.randn(batch, seq_len, heads * (nope + v_dim), device="cuda", dtype=dtype)
     k_rot = torch.randn(batch, 1, seq_len, rope_dim, device="cuda", dtype=dtype)

@@ -323,7 +323,7 @@ print(json.dumps({"error": error, "kernels_imported": [m for m in sys.modules if
 def test_import_succeeds_with_unsupported_versions():
     """The version check runs when a patch is applied, not when ``liger_dspine`` is imported."""
     env = {**os.environ, "LIGER_DSPINE_INTERPRET": "1"}
-    test_dir = Path(__file__).resolve().parents[1]
+    test_dir = Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_SCRIPT, str(test_dir)], env=env, capture_output=True, text=True, timeout=120
     )

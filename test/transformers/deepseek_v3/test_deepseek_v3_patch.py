@@ -425,7 +425,7 @@ print(json.dumps(messages))
 def test_cpu_tensor_without_interpreter_fails_with_a_clear_message():
     env = {k: v for k, v in os.environ.items() if k not in ("LIGER_DSPINE_INTERPRET", "TRITON_INTERPRET")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    test_dir = Path(__file__).resolve().parents[1]
+    test_dir = Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-c", NO_INTERPRETER_SCRIPT, str(test_dir)],
         env=env,
