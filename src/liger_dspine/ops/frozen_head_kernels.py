@@ -264,7 +264,9 @@ def check_inputs(draft_hidden, head_weight, labels, teacher_hidden, top_k, what:
                 f"{tuple(draft_hidden.shape)}"
             )
         if not 1 <= top_k <= vocab_size:
-            raise ValueError(f"liger-dspine: {what} needs 1 <= top_k <= vocab size ({vocab_size}), got {top_k}")
+            raise ValueError(
+                f"liger-dspine: {what} needs top_k >= 1 and at most the vocabulary ({vocab_size}), got {top_k}"
+            )
     if torch.is_grad_enabled() and head_weight.requires_grad:
         raise ValueError(
             f"liger-dspine: {what} gives the head no gradient; freeze it (head_weight.requires_grad_(False)) "

@@ -24,8 +24,7 @@ from liger_dspine.models.dspine import DSpineAccumulationWindow
 from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
 from liger_dspine.models.dspine import builders
-from liger_dspine.models.dspine import frozen_head_terms as frozen_head_terms_module
-from liger_dspine.models.dspine.frozen_head_terms import EAGER_FROZEN_HEAD_TERMS
+from liger_dspine.models.dspine.fused_switch import fused_objective_on
 from liger_dspine.models.dspine.objective import BACKBONE_CE
 from liger_dspine.models.dspine.testing import TINY_MASK_TOKEN
 from liger_dspine.models.dspine.testing import target_batch
@@ -33,7 +32,6 @@ from liger_dspine.models.dspine.testing import tiny_draft_config
 from liger_dspine.models.dspine.testing import tiny_target
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
-from liger_dspine.ops.frozen_head_objective import fused_frozen_head_terms
 
 N_LAYERS = 2  # tiny_draft_config
 NORM_NAMES = [
@@ -44,14 +42,15 @@ NORM_NAMES = [
 PATCHED_GLOBALS = [
     "liger_dspine.models.dspine.builders.Qwen3RMSNorm",
     "liger_dspine.models.dspine.builders.Qwen3MLP",
-    "liger_dspine.models.dspine.frozen_head_terms.frozen_head_terms",
+    "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
 ]
+NATIVE_SWITCH = DSpineObjective.patched_fused_objective
 
 
 def assert_native_globals() -> None:
     assert builders.Qwen3RMSNorm is Qwen3RMSNorm
     assert builders.Qwen3MLP is Qwen3MLP
-    assert frozen_head_terms_module.frozen_head_terms is EAGER_FROZEN_HEAD_TERMS
+    assert DSpineObjective.patched_fused_objective is NATIVE_SWITCH
 
 
 @pytest.fixture
@@ -80,7 +79,7 @@ def build_draft(target, seed=5, dtype=torch.float32, device="cpu"):
     return draft
 
 
-def build_objective(target, fused_objective=False, **kwargs):
+def build_objective(target, fused_objective=None, **kwargs):
     draft = build_draft(target, **kwargs)
     objective = DSpineObjective(
         draft,
@@ -126,19 +125,23 @@ def report_lines(report) -> list[tuple]:
 # --------------------------------------------------------------------------------------------------- class level
 def test_class_level_patch_reaches_models_built_afterwards(class_level, target):
     before = build_objective(target)
+    explicit_eager = build_objective(target, fused_objective=False)
     report = apply_liger_kernel_to_dspine()
     assert report.scope == "class" and [r.target for r in report] == PATCHED_GLOBALS
     assert not any(r.already for r in report)
     assert builders.Qwen3RMSNorm is LigerRMSNorm and builders.Qwen3MLP is LigerSwiGLUMLP
-    assert frozen_head_terms_module.frozen_head_terms is fused_frozen_head_terms
+    assert DSpineObjective.patched_fused_objective is fused_objective_on
     assert "Qwen3RMSNorm -> liger_dspine.modules.rms_norm.LigerRMSNorm" in str(report)
 
     after = build_objective(target)
     assert_liger(after.draft_model)
-    assert after.frozen_head_terms is fused_frozen_head_terms and after.fused_objective
-    # what was built before the patch stays native
+    assert after.fused_objective
+    # modules built before the patch stay native; the objective's switch is the class's, so an objective without
+    # an explicit choice follows the patch, and an explicit choice wins over it
     assert_native(before.draft_model)
-    assert before.frozen_head_terms is EAGER_FROZEN_HEAD_TERMS and not before.fused_objective
+    assert before.fused_objective
+    assert not explicit_eager.fused_objective
+    assert not build_objective(target, fused_objective=False).fused_objective
 
 
 @pytest.mark.parametrize(
@@ -169,7 +172,8 @@ def test_class_level_idempotence_and_revert(class_level, target):
     assert revert_liger_kernel_to_dspine() == []
     objective = build_objective(target)
     assert_native(objective.draft_model)
-    assert objective.frozen_head_terms is EAGER_FROZEN_HEAD_TERMS
+    assert not objective.fused_objective
+    assert build_objective(target, fused_objective=True).fused_objective
 
 
 def test_drafter_built_under_the_class_patch_reports_already_patched(class_level, target):
@@ -202,17 +206,17 @@ def test_instance_patch_of_an_objective(target):
     objective, other = build_objective(target), build_objective(target)
     report = apply_liger_kernel_to_dspine(model=objective)
     assert report_lines(report)[2] == (
-        "frozen_head_terms references",
-        "liger_dspine.models.dspine.frozen_head_terms.frozen_head_terms",
-        "liger_dspine.ops.frozen_head_objective.fused_frozen_head_terms",
+        "DSpineObjective.patched_fused_objective of the instance",
+        "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
+        "liger_dspine.models.dspine.fused_switch.fused_objective_on",
         1,
         False,
     )
     assert_liger(objective.draft_model)
-    assert objective.frozen_head_terms is fused_frozen_head_terms and objective.fused_objective
-    # the other instance, the builders' and the frozen-head module's globals stay native
+    assert objective.fused_objective
+    # the other instance and the class stay native
     assert_native(other.draft_model)
-    assert other.frozen_head_terms is EAGER_FROZEN_HEAD_TERMS and not other.fused_objective
+    assert not other.fused_objective
     assert_native_globals()
     assert_native(build_objective(target).draft_model)
 
@@ -233,7 +237,7 @@ def test_instance_idempotence(target):
     assert [(r.target, r.count) for r in second] == [(r.target, r.count) for r in first]
     assert all(r.already for r in second) and not any(r.already for r in first)
     assert module_kinds(objective.draft_model) == kinds
-    assert objective.frozen_head_terms is fused_frozen_head_terms
+    assert objective.fused_objective
 
 
 @pytest.mark.parametrize("model", [lambda target: target, lambda target: nn.Linear(2, 2)], ids=["qwen3", "linear"])
@@ -376,7 +380,7 @@ def test_fused_objective_matches_eager_with_the_prepass(target):
     """DSpineObjective(fused_objective=True) against the eager terms: CE-only prepass, full loss, gradients."""
     eager = build_objective(target)
     fused = build_objective(target, fused_objective=True)
-    assert fused.frozen_head_terms is fused_frozen_head_terms and fused.fused_objective and not eager.fused_objective
+    assert fused.fused_objective and not eager.fused_objective
     batch = make_batches(target, 1)[0]
     results = []
     for objective in (eager, fused):
@@ -437,5 +441,5 @@ def test_dspine_demo_runs(capsys):
 
     assert run_dspine_demo(steps=2, seed=0) == 0
     printed = capsys.readouterr().out
-    assert "largest loss difference" in printed and "fused_frozen_head_terms" in printed
+    assert "largest loss difference" in printed and "fused_objective_on" in printed
     assert_native_globals()

@@ -216,9 +216,13 @@ def test_empty_rows_and_bad_arguments(device):
         fused_frozen_head_terms(draft, head, labels, teacher, 0)
     with pytest.raises(ValueError, match="must match"):
         fused_frozen_head_terms(draft.double(), head, labels, teacher, TOP_K)
-    if device == "cpu":  # on CUDA an out-of-range label is a device-side assert, as in the eager gather
-        with pytest.raises(RuntimeError):
-            fused_frozen_head_terms(draft, head, torch.full_like(labels, VOCAB), teacher, TOP_K)
+    for bad in (VOCAB, -1, -101):  # checked on the host, before any kernel: the message names label and vocabulary
+        bad_labels = labels.clone()
+        bad_labels[3] = bad
+        with pytest.raises(ValueError, match=f"label {bad} is outside the vocabulary \\[0, {VOCAB}\\)"):
+            fused_frozen_head_terms(draft, head, bad_labels, teacher, TOP_K)
+    with pytest.raises(ValueError, match="integer labels"):
+        fused_frozen_head_terms(draft, head, labels.float(), teacher, TOP_K)
 
 
 def test_default_chunk_rows():

@@ -250,6 +250,47 @@ class DSpineObjective(nn.Module):
             chunk_rows=self.head_chunk_rows,
         )
 
+    def block_terms(self, hidden, pre, features, labels, previous, teacher, weights, supervised):
+        """Every term of the full objective from the drafter's outputs, summed over the proposals.
+
+        Shapes: hidden/pre/teacher [M, P, H], features [M, L, P, r], labels/previous/weights/supervised [M, P].
+
+        Returns:
+            (backbone, ce, l1, ref, align, correct, coverage): backbone = sum w (ce_weight CE + (1 - ce_weight) L1)
+            and the weighted sums ref and align carry gradients; ce and l1 are the weighted sums (detached on the
+            fused path), correct and coverage counts.
+        """
+        options = self.dspine_config
+        rows, proposals = labels.shape
+        if self.fused_objective:
+            head = self._fused_head_loss(hidden, labels, weights, teacher)
+            backbone = head.loss
+            ce = (head.terms.ce.view(rows, proposals) * weights).sum()
+            l1 = (head.terms.l1.view(rows, proposals) * weights).sum()
+            correct = (head.terms.correct.view(rows, proposals) & supervised).sum().float()
+            ref, align, coverage = checkpointed_chunk_reduce(
+                self._candidate_terms,
+                (
+                    pre,
+                    features,
+                    labels,
+                    previous,
+                    head.terms.candidate_ids.view(rows, proposals, -1),
+                    head.terms.candidate_teacher_probs.view(rows, proposals, -1),
+                    weights,
+                    supervised,
+                ),
+                self.objective_chunk_blocks,
+            )
+        else:
+            ce, l1, ref, align, correct, coverage = checkpointed_chunk_reduce(
+                self._objective_terms,
+                (hidden, pre, features, labels, previous, teacher, weights, supervised),
+                self.objective_chunk_blocks,
+            )
+            backbone = options.ce_weight * ce + (1.0 - options.ce_weight) * l1
+        return backbone, ce, l1, ref, align, correct, coverage
+
     # ------------------------------------------------------------------------------------------------------ forward
     def _attention_masks(self, anchors, keep, context_length):
         implementation = self.draft_model.config._attn_implementation or "sdpa"
@@ -345,34 +386,9 @@ class DSpineObjective(nn.Module):
             1, positions[..., None].expand(-1, -1, target_last_hidden_states.shape[-1])
         )
         teacher = teacher.reshape(rows, proposals, -1)
-        options = self.dspine_config
-        if fused:
-            head = self._fused_head_loss(hidden, labels, weights, teacher)
-            backbone = head.loss
-            ce = (head.terms.ce.view(rows, proposals) * weights).sum()
-            l1 = (head.terms.l1.view(rows, proposals) * weights).sum()
-            correct = (head.terms.correct.view(rows, proposals) & supervised).sum().float()
-            ref, align, coverage = checkpointed_chunk_reduce(
-                self._candidate_terms,
-                (
-                    pre,
-                    features,
-                    labels,
-                    previous,
-                    head.terms.candidate_ids.view(rows, proposals, -1),
-                    head.terms.candidate_teacher_probs.view(rows, proposals, -1),
-                    weights,
-                    supervised,
-                ),
-                self.objective_chunk_blocks,
-            )
-        else:
-            ce, l1, ref, align, correct, coverage = checkpointed_chunk_reduce(
-                self._objective_terms,
-                (hidden, pre, features, labels, previous, teacher, weights, supervised),
-                self.objective_chunk_blocks,
-            )
-            backbone = options.ce_weight * ce + (1.0 - options.ce_weight) * l1
+        backbone, ce, l1, ref, align, correct, coverage = self.block_terms(
+            hidden, pre, features, labels, previous, teacher, weights, supervised
+        )
         if alignment_ce is None:
             alignment_ce = global_mean_ce(ce.detach(), denominator.detach())
         alignment_ce = torch.as_tensor(alignment_ce, dtype=torch.float32, device=ce.device).detach()
