@@ -30,7 +30,7 @@ DEFAULT_CHUNK_BYTES = 640 * 2**20
 
 
 def loss_chunk_rows(rows: int, vocab_size: int, element_size: int, has_teacher: bool, budget: int) -> int:
-    """The largest power of two C <= rows (at least 1) whose chunk logits fit ``budget`` bytes."""
+    """min(rows, the largest power of two whose chunk logits fit ``budget`` bytes), at least 1."""
     per_row = vocab_size * element_size * (2 if has_teacher else 1)
     fit = max(1, budget // per_row)
     return max(1, min(rows, 1 << (fit.bit_length() - 1)))
