@@ -2,7 +2,8 @@
 # Tests and benchmark on the GPU machine, in one command of at most 10 minutes; logs, CSVs and plots go to $OUT.
 #
 #   bash benchmark/run_gpu.sh STEP...
-#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile
+#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
+#         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). Every step runs under `timeout`
 # inside one budget for the whole script, so the command ends in time and $OUT holds what finished.
@@ -64,11 +65,11 @@ run_pytest() {  # run_pytest LOGNAME ARGS...
 }
 
 run_bench() {  # run_bench ARGS...; copies what it wrote in benchmark/data to $OUT
-  local limit marker
+  local limit marker script=${BENCH_SCRIPT:-benchmark/bench_deepseek_v3.py}
   limit=$(left)
   marker=$(mktemp)
   # shellcheck disable=SC2086
-  timeout -k 10 $((limit - 5)) $PYTHON benchmark/bench_deepseek_v3.py "$@" --budget-s $((limit - 25)) ${BENCH_ARGS:-}
+  timeout -k 10 $((limit - 5)) $PYTHON "$script" "$@" --budget-s $((limit - 25)) ${BENCH_ARGS:-}
   local status=$?
   find "$ROOT/benchmark/data" -type f -newer "$marker" -exec cp {} "$OUT"/ \;
   rm -f "$marker"
@@ -102,6 +103,11 @@ for step in "$@"; do
         --impl dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
+    # DSpine: the objective alone at two widths, the whole step in four variants and three modes, accuracy vs fp32
+    bench-dspine) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part all --name dspine ;;
+    bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;
+    bench-dspine-step) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part step --name dspine_step ;;
+    bench-dspine-accuracy) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part accuracy --name dspine_accuracy ;;
     *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
