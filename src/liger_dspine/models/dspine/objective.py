@@ -58,20 +58,28 @@ def refinement_terms(
     head_weight: torch.Tensor,
     ce_weight: float,
     mass_threshold: float,
+    lean_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refinement loss over the K candidates of each proposal.
 
     Args:
         refined: [..., H] ``refine(pre_injection, true predecessor)``.
         candidate_ids: [..., K]; candidate_teacher_probs: [..., K]; labels: [...].
+        lean_scores: score the candidates with :func:`~liger_dspine.ops.candidate_scores.candidate_scores`
+            (the fused objective's path), which keeps no [..., K, H] copy of the head rows.
 
     Returns:
         ref: [...] fp32, ce_weight * refCE + (1 - ce_weight) * refL1 (refL1 only where the teacher mass on the
             candidates exceeds ``mass_threshold``; refCE is 0 when the label is not a candidate).
         covered: [...] bool, label among the candidates.
     """
-    candidates = head_weight[candidate_ids].float()  # [..., K, H]
-    scores = torch.matmul(candidates, refined.float()[..., None]).squeeze(-1)  # [..., K]
+    if lean_scores:  # the same fp32 scores without keeping the gathered [..., K, H] rows
+        from liger_dspine.ops.candidate_scores import candidate_scores
+
+        scores = candidate_scores(refined, head_weight, candidate_ids)
+    else:
+        candidates = head_weight[candidate_ids].float()  # [..., K, H]
+        scores = torch.matmul(candidates, refined.float()[..., None]).squeeze(-1)  # [..., K]
     log_probs = torch.log_softmax(scores, dim=-1)
     mass = candidate_teacher_probs.sum(dim=-1, keepdim=True)
     teacher = candidate_teacher_probs / mass.clamp_min(1e-30)
@@ -217,6 +225,7 @@ class DSpineObjective(nn.Module):
             self.lm_head.weight,
             options.ce_weight,
             options.candidate_mass_threshold,
+            lean_scores=self.fused_objective,
         )
         align = alignment_terms(features, self.draft_model.transfer_codes[labels])
         with torch.no_grad():
