@@ -48,19 +48,6 @@ REAL_WIDTHS = dict(
     qk_rope_head_dim=64,
     v_head_dim=128,
 )
-TINY_WIDTHS = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-)
 SLIM = dict(
     first_k_dense_replace=1,
     n_routed_experts=16,
@@ -70,7 +57,6 @@ SLIM = dict(
     routed_scaling_factor=1.0,
     n_shared_experts=1,
 )
-TINY_SLIM = dict(SLIM, n_routed_experts=4)
 
 IMPLS = ("hf", "liger", "dspine")
 # (layers, seq) per suite part; "sweep" adds the longest-sequence search at 2 layers.
@@ -492,10 +478,17 @@ class ChildBench:
 
 
 def deepseek_v3_config(layers: int, tiny: bool, max_seq: int):
+    """The benchmarked model; ``tiny``: the tests' tiny DeepSeek-V3 (test/tiny_models.py) at the same depth."""
+    if tiny:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test"))
+        from tiny_models import tiny_deepseek_v3_config
+
+        return tiny_deepseek_v3_config(
+            num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), attn_implementation=None
+        )
     from transformers import DeepseekV3Config
 
-    widths, slim = (TINY_WIDTHS, TINY_SLIM) if tiny else (REAL_WIDTHS, SLIM)
-    return DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), **widths, **slim)
+    return DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), **REAL_WIDTHS, **SLIM)
 
 
 def _apply_patch(impl: str, options: dict) -> None:
