@@ -26,9 +26,13 @@ from tiny_models import tiny_attention_config
 # The latents' gradients sum the heads group by group: fp32 rounding of another summation order.
 GROUPED = dict(atol=1e-5, rtol=1e-4)
 
-pytestmark = pytest.mark.skipif(
-    not liger_attention.LATENT_CACHE, reason="head-grouped recompute needs the latent cache (transformers >= 5.17)"
-)
+pytestmark = [
+    pytest.mark.matrix,
+    pytest.mark.skipif(
+        not liger_attention.LATENT_CACHE,
+        reason="head-grouped recompute needs the latent cache (transformers >= 5.17)",
+    ),
+]
 
 
 def _group_bytes_for(heads: int, config, tokens: int, element_size: int = 4) -> int:

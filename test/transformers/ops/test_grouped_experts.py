@@ -22,6 +22,8 @@ from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward as fused
 from tiny_models import native_experts_class
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 NativeExperts = native_experts_class()
 
 FP32 = dict(atol=1e-5, rtol=1e-5)

@@ -26,6 +26,8 @@ from mla_attention import run_attention
 from mla_attention import vjp_grads
 from tiny_models import tiny_attention_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 
 def test_transformers_cos_sin_carry_no_gradient(device):
     cos, sin = cos_sin(8, layout_position_ids("offset", 2, 5), device)

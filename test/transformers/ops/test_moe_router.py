@@ -21,6 +21,8 @@ from liger_dspine.ops.moe_router import liger_router_logits
 from tiny_models import tiny_deepseek_v3_config
 from tiny_models import tiny_router_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 MARGIN = 1e-5
 
 
