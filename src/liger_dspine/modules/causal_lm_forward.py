@@ -258,10 +258,10 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
 
 
 def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor):
-    from liger_dspine.ops.linear_cross_entropy import vocab_chunked_linear_cross_entropy
+    from liger_dspine.ops.linear_cross_entropy import liger_vocab_chunked_linear_cross_entropy
 
     check_kernel_device(hidden_states, "vocab-chunked linear cross entropy")
-    loss, token_accuracy = vocab_chunked_linear_cross_entropy(
+    loss, token_accuracy = liger_vocab_chunked_linear_cross_entropy(
         hidden_states.reshape(-1, hidden_states.shape[-1]),
         weight,
         targets,

@@ -160,7 +160,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bo
         out.copy_(a @ b)
 
 
-class VocabChunkedLinearCrossEntropy(torch.autograd.Function):
+class LigerVocabChunkedLinearCrossEntropyFunction(torch.autograd.Function):
     """``(hidden [T, H], weight [V, H], targets [T], ignore_index, reduction, track_argmax, vocab_chunk)`` ->
     ``(loss [] fp32, token_accuracy [] fp32)``; token_accuracy has no gradient (0 when not tracked)."""
 
@@ -271,7 +271,7 @@ def _check_inputs(hidden, weight, targets, reduction, vocab_chunk):
         raise ValueError(f"vocab_chunk must be >= 1, got {vocab_chunk}")
 
 
-def vocab_chunked_linear_cross_entropy(
+def liger_vocab_chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -301,7 +301,7 @@ def vocab_chunked_linear_cross_entropy(
     vocab_chunk = min(vocab_chunk, vocab_size) if vocab_chunk else default_vocab_chunk(tokens, vocab_size)
     targets = targets.to(device=hidden.device, dtype=torch.int64).contiguous()
     torch._assert_async(((targets == ignore_index) | ((targets >= 0) & (targets < vocab_size))).all())
-    loss, token_accuracy = VocabChunkedLinearCrossEntropy.apply(
+    loss, token_accuracy = LigerVocabChunkedLinearCrossEntropyFunction.apply(
         hidden, weight, targets, int(ignore_index), reduction, bool(return_token_accuracy), int(vocab_chunk)
     )
     return loss, token_accuracy if return_token_accuracy else None
