@@ -211,7 +211,7 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-        dtype = gemm_dtype(hidden_states, gate_up_proj, "liger-dspine grouped experts")
+        dtype = gemm_dtype(hidden_states, gate_up_proj, "grouped experts")
         if down_proj.dtype != gate_up_proj.dtype:
             raise ValueError(
                 f"liger-dspine: grouped experts need one weight dtype; gate_up_proj is {gate_up_proj.dtype} and "

@@ -260,15 +260,17 @@ class LigerVocabChunkedLinearCrossEntropyFunction(torch.autograd.Function):
 def _check_inputs(hidden, weight, targets, reduction, vocab_chunk):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"linear cross entropy expects hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
+            f"liger-dspine: linear cross entropy expects hidden [T, H] and weight [V, H], "
+            f"got {tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
     if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"linear cross entropy expects targets [{hidden.shape[0]}], got {tuple(targets.shape)}")
+        raise ValueError(
+            f"liger-dspine: linear cross entropy expects targets [{hidden.shape[0]}], got {tuple(targets.shape)}"
+        )
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise ValueError(f"liger-dspine: reduction must be 'mean' or 'sum', got {reduction!r}")
     if vocab_chunk is not None and vocab_chunk < 1:
-        raise ValueError(f"vocab_chunk must be >= 1, got {vocab_chunk}")
+        raise ValueError(f"liger-dspine: vocab_chunk must be >= 1, got {vocab_chunk}")
 
 
 def liger_vocab_chunked_linear_cross_entropy(
