@@ -64,7 +64,7 @@ def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, wi
     cache = DynamicCache(config=config) if with_cache else None
     out = run_attention(liger, hidden, cos, sin, mask, cache=cache)
     grouped = liger_class is LigerDeepseekV3RecomputeAttention or group < config.num_attention_heads
-    assert (type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward") == grouped
+    assert (type(out.grad_fn).__name__ == "LigerHeadGroupedAttentionFunctionBackward") == grouped
     ref = run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
     torch.testing.assert_close(out, ref, **FP32)
 
@@ -159,7 +159,7 @@ def test_other_set_ups_checkpoint_the_whole_core(device, case):
     assert not liger._liger_head_groups_apply()
     hidden, cos, sin, mask = _inputs(config, device, 2, 7)
     out = run_attention(liger, hidden, cos, sin, mask)
-    assert type(out.grad_fn).__name__ != "HeadGroupedAttentionBackward"
+    assert type(out.grad_fn).__name__ != "LigerHeadGroupedAttentionFunctionBackward"
     assert len(hook_calls) == (case == "hooked_o_proj")
     ref = run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
@@ -193,7 +193,7 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
         grad = torch.ones_like(out)
         results.append((out, vjp_grads([out], [hidden, *module.parameters()], [grad])))
     (out, got), (ref, want) = results
-    assert type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward"
+    assert type(out.grad_fn).__name__ == "LigerHeadGroupedAttentionFunctionBackward"
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     for g, w in zip(got, want):
