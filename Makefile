@@ -10,11 +10,6 @@ STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 MATRIX_VERSIONS ?= 5.8.1 5.17
-FAST_TESTS ?= test/transformers/deepseek_v3/test_deepseek_v3_patch.py test/transformers/patching/test_lce_forward.py \
-	test/transformers/patching/test_registry.py test/transformers/patching/test_auto_model.py \
-	test/transformers/deepseek_v3/test_module_parity.py test/transformers/ops/test_interleaved_rope.py \
-	test/transformers/ops/test_moe_router.py test/transformers/ops/test_grouped_experts.py \
-	test/transformers/deepseek_v3/test_head_grouped_attention.py
 
 .PHONY: demo test test-fast test-matrix test-gpu-stack test-convergence checkstyle format bench setup clean
 
@@ -36,11 +31,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) test/transformers
 
-# The DeepSeek-V3 subset, in this environment.
+# The tests marked `matrix` (those that use transformers' model classes), in this environment.
 test-fast: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) $(FAST_TESTS)
+	$(PY) -m pytest $(PYTEST_FLAGS) -m matrix test/transformers
 
-# The DeepSeek-V3 subset against other transformers versions, each in its own environment (.venv-<version>).
+# The tests marked `matrix` against other transformers versions, each in its own environment (.venv-<version>).
 test-matrix:
 	set -e; for v in $(MATRIX_VERSIONS); do \
 		$(MAKE) test-fast VENV=.venv-$$v REQUIREMENTS=requirements/transformers-$$v.txt; \

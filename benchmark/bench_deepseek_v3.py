@@ -1,5 +1,5 @@
 """DeepSeek-V3 training-step benchmark on one GPU: native transformers ("hf"), liger-kernel ("liger") and
-liger-dspine ("dspine"), at the configuration of the anchors (section 1).
+liger-dspine ("liger-dspine"), on DeepSeek-V3 at its real widths with fewer layers and 16 routed experts.
 
 Every configuration runs in a process of its own (clean peak memory, a fresh Triton cache); this parent starts
 them one after another, keeps inside a time budget, and writes <out-dir>/<name>.csv, <name>.md and two plots.
@@ -11,7 +11,7 @@ MFU: model FLOPs (flops.py) per measured step over the bf16 matrix rate measured
 
     python benchmark/bench_deepseek_v3.py --suite quick
     python benchmark/bench_deepseek_v3.py --suite full --part 1      # then --part 2
-    python benchmark/bench_deepseek_v3.py --suite custom --impls dspine --shapes 2x4096 --options '{"swiglu": false}'
+    python benchmark/bench_deepseek_v3.py --suite custom --impls liger-dspine --options '{"swiglu": false}'
     python benchmark/bench_deepseek_v3.py --suite quick --tiny      # CPU plumbing check: tiny model, fp32, interpreter
 """
 
@@ -34,7 +34,7 @@ from report import write_rows
 logger = logging.getLogger("bench_deepseek_v3")
 _PROCESS_START = time.monotonic()
 
-# Real DeepSeek-V3 widths, slimmed depth and experts (anchors, section 1).
+# Real DeepSeek-V3 widths; depth and routed experts slimmed to fit one GPU.
 REAL_WIDTHS = dict(
     vocab_size=129280,
     hidden_size=7168,
@@ -48,19 +48,6 @@ REAL_WIDTHS = dict(
     qk_rope_head_dim=64,
     v_head_dim=128,
 )
-TINY_WIDTHS = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-)
 SLIM = dict(
     first_k_dense_replace=1,
     n_routed_experts=16,
@@ -70,9 +57,8 @@ SLIM = dict(
     routed_scaling_factor=1.0,
     n_shared_experts=1,
 )
-TINY_SLIM = dict(SLIM, n_routed_experts=4)
 
-IMPLS = ("hf", "liger", "dspine")
+IMPLS = ("hf", "liger", "liger-dspine")
 # (layers, seq) per suite part; "sweep" adds the longest-sequence search at 2 layers.
 SUITES = {
     "quick": [dict(shapes=[(2, 4096), (2, 16384), (8, 4096)], sweep=False)],
@@ -92,7 +78,7 @@ MIN_CHILD_S = 45  # a configuration is not started with less time than this left
 @dataclass
 class Job:
     kind: str  # "matmul", "throughput" or "max_seq"
-    impl: str = "matmul"  # "hf", "liger" or "dspine"
+    impl: str = "matmul"  # "hf", "liger" or "liger-dspine"
     label: str = "matmul"  # the CSV's impl column: the impl, or a variant's name
     layers: int = 0
     seq: int = 0
@@ -123,21 +109,21 @@ def build_jobs(args) -> list[Job]:
             jobs += [Job("throughput", impl, label, layers, seq, options) for impl, label, options in impls]
         if part["sweep"]:
             # the peers first: their searches end at their memory limit, the rest of the time goes to liger-dspine's
-            sweep_order = sorted(impls, key=lambda i: ("liger", "hf", "dspine").index(i[0]))
+            sweep_order = sorted(impls, key=lambda i: ("liger", "hf", "liger-dspine").index(i[0]))
             jobs += [Job("max_seq", impl, label, 2, 0, options) for impl, label, options in sweep_order]
     return jobs
 
 
 def _impl_list(args) -> list[tuple[str, str, dict]]:
-    """(impl, label, patch options) per implementation measured; --variant adds dspine with other options."""
+    """(impl, label, patch options) per implementation measured; --variant adds liger-dspine with other options."""
     impls = []
     for impl in [i.strip() for i in args.impls.split(",") if i.strip()]:
         if impl not in IMPLS:
             raise SystemExit(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
-        impls.append((impl, impl, json.loads(args.options) if impl == "dspine" else {}))
+        impls.append((impl, impl, json.loads(args.options) if impl == "liger-dspine" else {}))
     for variant in args.variant:
         label, _, options = variant.partition("=")
-        impls.append(("dspine", label, json.loads(options)))
+        impls.append(("liger-dspine", label, json.loads(options)))
     return impls
 
 
@@ -402,7 +388,7 @@ class ChildBench:
     # -- pieces
 
     def _build(self, row: dict, max_seq: int):
-        """Patch (liger / dspine), then build the model directly on the device in the benchmark dtype."""
+        """Patch (liger / liger-dspine), then build the model directly on the device in the benchmark dtype."""
         torch, args = self.torch, self.args
         _apply_patch(args.impl, json.loads(args.options))
         from transformers.models.deepseek_v3 import modeling_deepseek_v3
@@ -492,10 +478,17 @@ class ChildBench:
 
 
 def deepseek_v3_config(layers: int, tiny: bool, max_seq: int):
+    """The benchmarked model; ``tiny``: the tests' tiny DeepSeek-V3 (test/tiny_models.py) at the same depth."""
+    if tiny:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test"))
+        from tiny_models import tiny_deepseek_v3_config
+
+        return tiny_deepseek_v3_config(
+            num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), attn_implementation=None
+        )
     from transformers import DeepseekV3Config
 
-    widths, slim = (TINY_WIDTHS, TINY_SLIM) if tiny else (REAL_WIDTHS, SLIM)
-    return DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), **widths, **slim)
+    return DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), **REAL_WIDTHS, **SLIM)
 
 
 def _apply_patch(impl: str, options: dict) -> None:
@@ -504,7 +497,7 @@ def _apply_patch(impl: str, options: dict) -> None:
 
         apply_liger_kernel_to_deepseek_v3(**options)
         logger.info("liger-kernel patch applied (%s)", options or "defaults")
-    elif impl == "dspine":
+    elif impl == "liger-dspine":
         import liger_dspine
 
         report = liger_dspine.apply_liger_kernel_to_deepseek_v3(**options)
@@ -530,17 +523,19 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=("quick", "full", "custom"), default="quick")
     parser.add_argument("--part", type=int, choices=(1, 2), help="with --suite full: one part (each fits 10 min)")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of hf, liger, dspine")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of hf, liger, liger-dspine")
     parser.add_argument("--shapes", default="2x4096", help="--suite custom: LAYERSxSEQ,... e.g. 2x4096,8x4096")
     parser.add_argument("--max-seq", action="store_true", help="--suite custom: add the longest-sequence sweep")
     parser.add_argument("--sweep-start", type=int, default=0, help="first length of the sweep (default 32768)")
-    parser.add_argument("--options", default="{}", help="dspine patch options as JSON, e.g. '{\"swiglu\": false}'")
+    parser.add_argument(
+        "--options", default="{}", help="liger-dspine patch options as JSON, e.g. '{\"swiglu\": false}'"
+    )
     parser.add_argument(
         "--variant",
         action="append",
         default=[],
         metavar="LABEL=JSON",
-        help="also measure dspine with these options, reported as LABEL (repeatable)",
+        help="also measure liger-dspine with these options, reported as LABEL (repeatable)",
     )
     parser.add_argument(
         "--tiny",

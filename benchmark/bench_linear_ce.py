@@ -7,7 +7,7 @@ Implementations:
     liger           liger_fused_linear_cross_entropy as lce_forward calls it (accumulator in the weight's dtype)
     liger-fp32acc   the same with accum_dtype=torch.float32 (fp32 [V, H] accumulator)
     liger-cmc8      the same with chunk_mem_const=8 (8x larger token chunks: fewer accumulator passes)
-    vocab           vocab_chunked_linear_cross_entropy (default chunk), dW written chunk by chunk
+    vocab           liger_vocab_chunked_linear_cross_entropy (default chunk), dW written chunk by chunk
 
     python benchmark/bench_linear_ce.py                        # T = 4096, 16384, 32768; writes data/linear_ce.csv
     python benchmark/bench_linear_ce.py --tokens 4096 --impls liger vocab
@@ -32,10 +32,10 @@ FIELDS = ["impl", "tokens", "vocab", "hidden", "dtype", "fwd_bwd_ms", "peak_gib"
 def loss_fn(impl: str):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    from liger_dspine.ops.linear_cross_entropy import vocab_chunked_linear_cross_entropy
+    from liger_dspine.ops.linear_cross_entropy import liger_vocab_chunked_linear_cross_entropy
 
     if impl == "vocab":
-        return lambda h, w, y: vocab_chunked_linear_cross_entropy(h, w, y)[0]
+        return lambda h, w, y: liger_vocab_chunked_linear_cross_entropy(h, w, y)[0]
     options = {"liger": {}, "liger-fp32acc": {"accum_dtype": torch.float32}, "liger-cmc8": {"chunk_mem_const": 8}}
     kwargs = options[impl]
     return lambda h, w, y: (

@@ -11,7 +11,7 @@ import sys
 from report import BASELINES
 from report import read_rows
 
-COLORS = {"hf": "tab:gray", "liger": "tab:blue", "dspine": "tab:red"}
+COLORS = {"hf": "tab:gray", "liger": "tab:blue", "liger-dspine": "tab:red"}
 METRICS = (("peak_gib", "peak memory (GiB)", "peak_memory"), ("tokens_per_s", "tokens / s", "tokens_per_s"))
 
 
@@ -41,7 +41,7 @@ def _out_of_memory(rows: list[dict]) -> dict[int, list[str]]:
 
 def _impl_order(names) -> list[str]:
     names = set(names)
-    return [n for n in (*BASELINES, "dspine") if n in names] + sorted(names - {*BASELINES, "dspine"})
+    return [n for n in (*BASELINES, "liger-dspine") if n in names] + sorted(names - {*BASELINES, "liger-dspine"})
 
 
 def _tick_label(seq: int) -> str:

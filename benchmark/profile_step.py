@@ -3,7 +3,7 @@
 Time: torch.profiler over one step after two warm-ups; CUDA kernels grouped into GEMM / attention / Triton /
 elementwise+copy, and the top kernels. Memory: a census of the tensors autograd saves for backward, by shape.
 
-    python benchmark/profile_step.py --impl dspine --layers 8 --seq 4096 [--options JSON]
+    python benchmark/profile_step.py --impl liger-dspine --layers 8 --seq 4096 [--options JSON]
 """
 
 import argparse
@@ -64,7 +64,7 @@ def _memory_trace(torch, model, ids) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", default="dspine")
+    parser.add_argument("--impl", default="liger-dspine")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--options", default="{}")

@@ -1,4 +1,4 @@
-"""Benchmark result rows: the CSV layout, reading and writing, and markdown tables with dspine's ratios.
+"""Benchmark result rows: the CSV layout, reading and writing, and markdown tables with liger-dspine's ratios.
 
 Usage: python benchmark/report.py benchmark/data/part1.csv benchmark/data/part2.csv
 """

@@ -89,20 +89,20 @@ for step in "$@"; do
     bench-part1) run_bench --suite full --part 1 ;;
     bench-part2) run_bench --suite full --part 2 ;;
     # liger-dspine's defaults and its opt-in memory saver at the lengths of the memory goals
-    bench-optin) run_bench --suite custom --impls dspine --shapes 2x16384,2x32768 --name optin \
-      --variant 'dspine_recompute={"recompute_attention": true}' ;;
+    bench-optin) run_bench --suite custom --impls liger-dspine --shapes 2x16384,2x32768 --name optin \
+      --variant 'liger-dspine-recompute={"recompute_attention": true}' ;;
     # the longest sequence of liger-kernel and of liger-dspine with the opt-in, from a length both fit
     bench-sweep) run_bench --suite custom --impls liger --shapes "" --max-seq --sweep-start 131072 \
-      --name sweep --variant 'dspine_recompute={"recompute_attention": true}' ;;
+      --name sweep --variant 'liger-dspine-recompute={"recompute_attention": true}' ;;
     # the same for liger-dspine's defaults
-    bench-sweep-defaults) run_bench --suite custom --impls liger,dspine --shapes "" --max-seq --sweep-start 131072 \
+    bench-sweep-defaults) run_bench --suite custom --impls liger,liger-dspine --shapes "" --max-seq --sweep-start 131072 \
       --name sweep_defaults ;;
     # where the time (8 layers / 4096) and the memory (2 layers / 16384) of a liger-dspine step go
     profile)
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
-        --impl dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
+        --impl liger-dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
-        --impl dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
+        --impl liger-dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
     # DSpine: the objective alone at two widths, the whole step in four variants and three modes, accuracy vs fp32
     bench-dspine) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part all --name dspine ;;
     bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;

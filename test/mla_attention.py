@@ -4,13 +4,14 @@ the native / Liger attention pair, and the gradient comparison."""
 import copy
 
 import torch
-from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from liger_dspine.models.deepseek_v3.attention import NATIVE_CACHE_ARG
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
+from tiny_models import tiny_attention_config
+from tiny_models import tiny_rope_config
 
 # fp32: both sides do the same fp32 operations; a GPU may fuse a product and a sum (1 ulp), and the rope-key
 # gradient sums heads in another order.
@@ -29,35 +30,8 @@ def layout_position_ids(layout: str, batch: int, seq_len: int) -> torch.Tensor:
     raise ValueError(layout)
 
 
-def rope_config(rope_dim: int, yarn: bool = False) -> DeepseekV3Config:
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if yarn:
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 16,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        }
-    return DeepseekV3Config(
-        vocab_size=64,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        qk_rope_head_dim=rope_dim,
-        qk_nope_head_dim=8,
-        v_head_dim=12,
-        kv_lora_rank=16,
-        max_position_embeddings=64,
-        rope_parameters=rope,
-    )
-
-
 def cos_sin(rope_dim: int, position_ids: torch.Tensor, device, dtype=torch.float32, yarn: bool = False):
-    rotary = DeepseekV3RotaryEmbedding(rope_config(rope_dim, yarn)).to(device)
+    rotary = DeepseekV3RotaryEmbedding(tiny_rope_config(rope_dim, yarn)).to(device)
     x = torch.empty(1, dtype=dtype, device=device)
     return rotary(x, position_ids.to(device))
 
@@ -65,33 +39,6 @@ def cos_sin(rope_dim: int, position_ids: torch.Tensor, device, dtype=torch.float
 def vjp_grads(outputs, inputs, grad_outputs):
     loss = sum((o * g).sum() for o, g in zip(outputs, grad_outputs))
     return torch.autograd.grad(loss, inputs)
-
-
-def attention_config(q_lora_rank, attn_implementation="eager", rope_interleave=True) -> DeepseekV3Config:
-    config = DeepseekV3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        max_position_embeddings=64,
-        rope_interleave=rope_interleave,
-        attention_dropout=0.0,
-    )
-    config._attn_implementation = attn_implementation
-    return config
 
 
 def causal_mask(batch, q_len, kv_len, device):
@@ -130,7 +77,7 @@ def assert_attention_grads_match(out, ref, hidden, liger, native, tolerance):
 def model_pair(device, liger_class):
     """(native, copy) two-layer causal LMs (sdpa), the copy's attention modules turned into ``liger_class``; and the
     config."""
-    config = attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    config = tiny_attention_config(q_lora_rank=12, attn_implementation="sdpa")
     torch.manual_seed(0)
     native = DeepseekV3ForCausalLM(config).to(device)
     liger = copy.deepcopy(native)

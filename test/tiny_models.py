@@ -12,7 +12,11 @@ IGNORE_INDEX = -100
 
 
 def tiny_deepseek_v3_config(**overrides) -> DeepseekV3Config:
-    """2 layers (1 dense + 1 MoE), MLA with q_lora_rank, 4 routed experts top-2 in 2 groups, 1 shared expert."""
+    """2 layers (1 dense + 1 MoE), MLA with q_lora_rank, 4 routed experts top-2 in 2 groups, 1 shared expert.
+
+    Every tiny DeepSeek-V3 of the tests and of the benchmark's ``--tiny`` run is this one with overrides.
+    ``attn_implementation=None`` leaves the choice to transformers (sdpa where available).
+    """
     values = dict(
         vocab_size=96,
         hidden_size=32,
@@ -39,8 +43,70 @@ def tiny_deepseek_v3_config(**overrides) -> DeepseekV3Config:
     )
     values.update(overrides)
     config = DeepseekV3Config(**values)
-    config._attn_implementation = values["attn_implementation"]
+    if values["attn_implementation"] is not None:
+        config._attn_implementation = values["attn_implementation"]
     return config
+
+
+def tiny_attention_config(q_lora_rank, attn_implementation="eager", rope_interleave=True) -> DeepseekV3Config:
+    """The tiny model for the attention tests: value heads (12) wider than the key heads' rope part (8), vocab 64,
+    routed scaling 2.5; ``q_lora_rank=None`` projects the queries directly."""
+    return tiny_deepseek_v3_config(
+        vocab_size=64,
+        q_lora_rank=q_lora_rank,
+        v_head_dim=12,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=64,
+        rope_interleave=rope_interleave,
+        attention_dropout=0.0,
+        attn_implementation=attn_implementation,
+    )
+
+
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def tiny_rope_config(rope_dim: int, yarn: bool = False) -> DeepseekV3Config:
+    """The tiny attention model with ``rope_dim`` rotated dimensions per head, default or YaRN RoPE (factor 4 over
+    16 original positions)."""
+    rope = YARN_ROPE if yarn else {"rope_type": "default", "rope_theta": 10000.0}
+    return tiny_deepseek_v3_config(
+        vocab_size=64,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=12,
+        max_position_embeddings=64,
+        rope_parameters=dict(rope),
+    )
+
+
+def tiny_router_config(
+    num_experts: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    hidden_size: int = 32,
+) -> DeepseekV3Config:
+    """The tiny model with the router's settings replaced (the router tests' expert counts and groups)."""
+    return tiny_deepseek_v3_config(
+        hidden_size=hidden_size,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor,
+    )
 
 
 def build_model(config, seed: int = 0, dtype=torch.float32, device="cpu"):

@@ -18,7 +18,7 @@ def require_supported_versions() -> None:
             found = Version(metadata.version(package))
         except metadata.PackageNotFoundError:
             raise ImportError(
-                f"liger-dspine needs {package} >= {low}, < {high}, which is not installed: {INSTALL_HINT}"
+                f"liger-dspine: needs {package} >= {low}, < {high}, which is not installed: {INSTALL_HINT}"
             ) from None
         if not (low <= found < high):
-            raise ImportError(f"liger-dspine supports {package} >= {low}, < {high}; found {found}: {INSTALL_HINT}")
+            raise ImportError(f"liger-dspine: supports {package} >= {low}, < {high}; found {found}: {INSTALL_HINT}")

@@ -124,14 +124,17 @@ def check_options(fn: Callable, options: dict) -> None:
     if unknown:
         accepted = ", ".join(name for name in params if name != "model")
         raise TypeError(
-            f"{fn.__name__}() got unknown option(s) {', '.join(map(repr, unknown))}; it accepts: {accepted}"
+            f"liger-dspine: {fn.__name__}() got unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"it accepts: {accepted}"
         )
 
 
 def _enabled_swaps(spec: PatchSpec, options: dict[str, bool]):
     for swap in spec.swaps:
         if swap.option not in options:
-            raise KeyError(f"swap option {swap.option!r} of spec {spec.model_type!r} is not an apply option")
+            raise KeyError(
+                f"liger-dspine: swap option {swap.option!r} of spec {spec.model_type!r} is not an apply option"
+            )
         if options[swap.option]:
             yield swap
 

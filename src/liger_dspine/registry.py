@@ -20,7 +20,7 @@ def apply_fn_for(model_type: str):
         return MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
     except KeyError:
         supported = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
-        raise ValueError(f"liger-dspine has no patch for model type {model_type!r}; supported: {supported}") from None
+        raise ValueError(f"liger-dspine: no patch for model type {model_type!r}; supported: {supported}") from None
 
 
 def apply_liger_kernel(model_type: str, **options):
@@ -28,7 +28,9 @@ def apply_liger_kernel(model_type: str, **options):
     fn = apply_fn_for(model_type)
     check_options(fn, options)
     if "model" in options:
-        raise TypeError("apply_liger_kernel() patches classes; use apply_liger_kernel_to_instance(model) for a model")
+        raise TypeError(
+            "liger-dspine: apply_liger_kernel() patches classes; use apply_liger_kernel_to_instance(model) for a model"
+        )
     return fn(**options)
 
 
@@ -36,7 +38,7 @@ def model_type_of(model) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
-        raise ValueError(f"{type(model).__name__} has no config.model_type to choose a patch by")
+        raise ValueError(f"liger-dspine: {type(model).__name__} has no config.model_type to choose a patch by")
     return model_type
 
 
@@ -45,7 +47,9 @@ def apply_liger_kernel_to_instance(model, **options):
     fn = apply_fn_for(model_type_of(model))
     check_options(fn, options)
     if "model" in options:
-        raise TypeError("apply_liger_kernel_to_instance() takes the model as its first argument, not as an option")
+        raise TypeError(
+            "liger-dspine: apply_liger_kernel_to_instance() takes the model as its first argument, not as an option"
+        )
     return fn(model=model, **options)
 
 

@@ -59,7 +59,9 @@ def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str):
         **kwargs,
     ):
         if not fused and skip_logits:
-            raise ValueError("skip_logits=True needs the fused loss; this forward computes the loss from logits")
+            raise ValueError(
+                "liger-dspine: skip_logits=True needs the fused loss; this forward computes the loss from logits"
+            )
         return _causal_lm_forward(
             self,
             input_ids,
@@ -122,7 +124,9 @@ def _causal_lm_forward(
     shift_labels = kwargs.pop("shift_labels", None)
     has_labels = labels is not None or shift_labels is not None
     if skip_logits and not has_labels:
-        raise ValueError("skip_logits=True needs labels or shift_labels: without them there is no loss to compute")
+        raise ValueError(
+            "liger-dspine: skip_logits=True needs labels or shift_labels: without them there is no loss to compute"
+        )
     if has_labels:
         _check_label_range(labels if shift_labels is None else shift_labels, self.lm_head.weight.shape[0])
     if skip_logits is None:
@@ -183,7 +187,7 @@ def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     if shift_labels.shape != hidden_states.shape[:-1]:
         raise ValueError(
-            f"labels of shape {tuple(shift_labels.shape)} do not match the hidden states "
+            f"liger-dspine: labels of shape {tuple(shift_labels.shape)} do not match the hidden states "
             f"{tuple(hidden_states.shape[:-1])} they are the targets of (check logits_to_keep and shift_labels)"
         )
     return shift_labels.reshape(-1).to(hidden_states.device)
@@ -199,7 +203,7 @@ def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
         return
     bad = labels[kept & ((labels < 0) | (labels >= vocab_size))]
     raise ValueError(
-        f"labels must be in [0, {vocab_size}) (the vocabulary of lm_head) or {IGNORE_INDEX} (ignored); "
+        f"liger-dspine: labels must be in [0, {vocab_size}) (the vocabulary of lm_head) or {IGNORE_INDEX} (ignored); "
         f"{bad.numel()} label(s) are outside, with values from {bad.min().item()} to {bad.max().item()}"
     )
 
@@ -212,10 +216,11 @@ def _check_head_is_gathered(weight: torch.Tensor) -> None:
         return
     if isinstance(weight, DTensor):
         raise ValueError(
-            "lm_head.weight is a sharded DTensor inside the forward: the fused linear cross entropy reads the weight "
-            "without calling lm_head, so a separately sharded lm_head (FSDP2 fully_shard(model.lm_head), or tensor "
-            "parallel) is never gathered for it. Shard lm_head together with its parent (fully_shard(model) without "
-            "its own fully_shard), or pass skip_logits=False to compute the loss from logits"
+            "liger-dspine: lm_head.weight is a sharded DTensor inside the forward: the fused linear cross entropy "
+            "reads the weight without calling lm_head, so a separately sharded lm_head (FSDP2 "
+            "fully_shard(model.lm_head), or tensor parallel) is never gathered for it. Shard lm_head together with its "
+            "parent (fully_shard(model) without its own fully_shard), or pass skip_logits=False to compute the loss "
+            "from logits"
         )
 
 
@@ -258,10 +263,10 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
 
 
 def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor):
-    from liger_dspine.ops.linear_cross_entropy import vocab_chunked_linear_cross_entropy
+    from liger_dspine.ops.linear_cross_entropy import liger_vocab_chunked_linear_cross_entropy
 
     check_kernel_device(hidden_states, "vocab-chunked linear cross entropy")
-    loss, token_accuracy = vocab_chunked_linear_cross_entropy(
+    loss, token_accuracy = liger_vocab_chunked_linear_cross_entropy(
         hidden_states.reshape(-1, hidden_states.shape[-1]),
         weight,
         targets,

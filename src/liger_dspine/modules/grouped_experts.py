@@ -3,7 +3,7 @@ from torch import nn
 
 from liger_dspine.modules.config_reading import check_silu
 from liger_dspine.modules.config_reading import expert_sizes
-from liger_dspine.ops.grouped_experts import grouped_experts
+from liger_dspine.ops.grouped_experts import liger_grouped_experts
 
 
 def _activation_of(module: nn.Module) -> str | None:
@@ -74,4 +74,4 @@ class LigerGroupedExperts(nn.Module):
         x = hidden_states.reshape(-1, self.hidden_dim)
         index = top_k_index.reshape(-1, top_k_index.shape[-1])
         weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
-        return grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj).view(shape)
+        return liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj).view(shape)

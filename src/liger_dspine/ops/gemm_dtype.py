@@ -11,6 +11,7 @@ def gemm_dtype(rows: torch.Tensor, weight: torch.Tensor, what: str) -> torch.dty
         return torch.get_autocast_dtype(device_type)
     if rows.dtype != weight.dtype:
         raise ValueError(
-            f"{what}: rows are {rows.dtype} and the weight is {weight.dtype}; outside autocast they must match"
+            f"liger-dspine: {what}: rows are {rows.dtype} and the weight is {weight.dtype}; "
+            "outside autocast they must match"
         )
     return rows.dtype

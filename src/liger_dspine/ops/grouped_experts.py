@@ -205,13 +205,13 @@ def summed_slots(rows, row_of_slot, scale, dtype: torch.dtype) -> torch.Tensor:
     return sum_slots(rows, row_of_slot, scale).to(dtype)
 
 
-class GroupedExpertsFunction(torch.autograd.Function):
+class LigerGroupedExpertsFunction(torch.autograd.Function):
     """(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float, gate_up_proj [E, 2I, H],
     down_proj [E, H, I]) -> [T, H] in hidden_states' dtype."""
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-        dtype = gemm_dtype(hidden_states, gate_up_proj, "liger-dspine grouped experts")
+        dtype = gemm_dtype(hidden_states, gate_up_proj, "grouped experts")
         if down_proj.dtype != gate_up_proj.dtype:
             raise ValueError(
                 f"liger-dspine: grouped experts need one weight dtype; gate_up_proj is {gate_up_proj.dtype} and "
@@ -342,7 +342,7 @@ def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of
 # torch.compile runs the op as it is (a graph break on each side): its grouped GEMMs' layout checks and the host
 # reads of the CPU loop do not trace.
 @torch.compiler.disable
-def grouped_experts(
+def liger_grouped_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -351,4 +351,4 @@ def grouped_experts(
 ) -> torch.Tensor:
     """Routed SwiGLU experts: hidden_states [T, H], top_k_index [T, K] (ids in [0, E)), top_k_weights [T, K],
     gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [T, H]."""
-    return GroupedExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    return LigerGroupedExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)

@@ -204,7 +204,9 @@ def _angles(t: torch.Tensor, batch: int, seq_len: int, half: int) -> torch.Tenso
     if t.dim() == 2:
         t = t.unsqueeze(0)
     if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq_len or t.shape[2] < half:
-        raise ValueError(f"cos/sin must be [B or 1, S, >= {half}] with B={batch}, S={seq_len}; got {tuple(t.shape)}")
+        raise ValueError(
+            f"liger-dspine: cos/sin must be [B or 1, S, >= {half}] with B={batch}, S={seq_len}; got {tuple(t.shape)}"
+        )
     return _last_dim_unit(t[..., :half])
 
 
@@ -305,12 +307,12 @@ def _dense_layout(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _check_rope_width(width: int) -> None:
     if width % 2 or width == 0:
-        raise ValueError(f"the rope width must be even and positive, got {width}")
+        raise ValueError(f"liger-dspine: the rope width must be even and positive, got {width}")
 
 
 def _check_constant_angles(cos: torch.Tensor, sin: torch.Tensor) -> None:
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        raise NotImplementedError("liger interleaved RoPE gives no gradient to cos/sin; detach them first")
+        raise NotImplementedError("liger-dspine: interleaved RoPE gives no gradient to cos/sin; detach them first")
 
 
 class LigerInterleavedRopeFunction(torch.autograd.Function):
@@ -368,7 +370,7 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         _check_rope_width(rope_dim)
         nope = width - rope_dim
         if nope < 0:
-            raise ValueError(f"rope_dim {rope_dim} exceeds the head width {width}")
+            raise ValueError(f"liger-dspine: rope_dim {rope_dim} exceeds the head width {width}")
         q_states = _last_dim_unit(q_states)
         cos = _angles(cos, batch, seq_len, rope_dim // 2)
         sin = _angles(sin, batch, seq_len, rope_dim // 2)
@@ -447,9 +449,9 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         rope_dim = k_rot.shape[-1]
         _check_rope_width(rope_dim)
         if k_rot.shape[:3] != (batch, 1, seq_len):
-            raise ValueError(f"k_rot must be [{batch}, 1, {seq_len}, R], got {tuple(k_rot.shape)}")
+            raise ValueError(f"liger-dspine: k_rot must be [{batch}, 1, {seq_len}, R], got {tuple(k_rot.shape)}")
         if not 0 < nope_dim < width:
-            raise ValueError(f"nope_dim {nope_dim} must lie inside the kv width {width}")
+            raise ValueError(f"liger-dspine: nope_dim {nope_dim} must lie inside the kv width {width}")
         kv = _last_dim_unit(kv)
         k_rot = _last_dim_unit(k_rot)
         if cos is not None:
@@ -549,7 +551,7 @@ def liger_mla_key(
     None. Returns (key [B, H, S, nope_dim + R], value [B, H, S, V]), both stored as [B, S, H, D].
     """
     if (cos is None) != (sin is None):
-        raise ValueError("give both cos and sin, or neither")
+        raise ValueError("liger-dspine: give both cos and sin, or neither")
     if cos is not None:
         _check_constant_angles(cos, sin)
     return LigerMLAKeyFunction.apply(kv, k_rot, cos, sin, nope_dim)

@@ -160,7 +160,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bo
         out.copy_(a @ b)
 
 
-class VocabChunkedLinearCrossEntropy(torch.autograd.Function):
+class LigerVocabChunkedLinearCrossEntropyFunction(torch.autograd.Function):
     """``(hidden [T, H], weight [V, H], targets [T], ignore_index, reduction, track_argmax, vocab_chunk)`` ->
     ``(loss [] fp32, token_accuracy [] fp32)``; token_accuracy has no gradient (0 when not tracked)."""
 
@@ -260,18 +260,20 @@ class VocabChunkedLinearCrossEntropy(torch.autograd.Function):
 def _check_inputs(hidden, weight, targets, reduction, vocab_chunk):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"linear cross entropy expects hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
+            f"liger-dspine: linear cross entropy expects hidden [T, H] and weight [V, H], "
+            f"got {tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
     if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"linear cross entropy expects targets [{hidden.shape[0]}], got {tuple(targets.shape)}")
+        raise ValueError(
+            f"liger-dspine: linear cross entropy expects targets [{hidden.shape[0]}], got {tuple(targets.shape)}"
+        )
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise ValueError(f"liger-dspine: reduction must be 'mean' or 'sum', got {reduction!r}")
     if vocab_chunk is not None and vocab_chunk < 1:
-        raise ValueError(f"vocab_chunk must be >= 1, got {vocab_chunk}")
+        raise ValueError(f"liger-dspine: vocab_chunk must be >= 1, got {vocab_chunk}")
 
 
-def vocab_chunked_linear_cross_entropy(
+def liger_vocab_chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -301,7 +303,7 @@ def vocab_chunked_linear_cross_entropy(
     vocab_chunk = min(vocab_chunk, vocab_size) if vocab_chunk else default_vocab_chunk(tokens, vocab_size)
     targets = targets.to(device=hidden.device, dtype=torch.int64).contiguous()
     torch._assert_async(((targets == ignore_index) | ((targets >= 0) & (targets < vocab_size))).all())
-    loss, token_accuracy = VocabChunkedLinearCrossEntropy.apply(
+    loss, token_accuracy = LigerVocabChunkedLinearCrossEntropyFunction.apply(
         hidden, weight, targets, int(ignore_index), reduction, bool(return_token_accuracy), int(vocab_chunk)
     )
     return loss, token_accuracy if return_token_accuracy else None

@@ -154,15 +154,18 @@ def _moe_router_backward_kernel(
 
 def _check_config(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     if n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group={n_group} must divide the number of experts ({num_experts})")
+        raise ValueError(f"liger-dspine: n_group={n_group} must divide the number of experts ({num_experts})")
     group_size = num_experts // n_group
     if group_size < 2:
-        raise ValueError(f"each group needs at least 2 experts (group score = sum of its top 2), got {group_size}")
+        raise ValueError(
+            f"liger-dspine: each group needs at least 2 experts (group score = sum of its top 2), got {group_size}"
+        )
     if not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+        raise ValueError(f"liger-dspine: topk_group={topk_group} must be in [1, n_group={n_group}]")
     if not 1 <= top_k <= topk_group * group_size:
         raise ValueError(
-            f"num_experts_per_tok={top_k} must be in [1, topk_group * group size = {topk_group * group_size}]"
+            f"liger-dspine: num_experts_per_tok={top_k} must be in "
+            f"[1, topk_group * group size = {topk_group * group_size}]"
         )
 
 
@@ -186,11 +189,14 @@ def moe_router_forward(
     """
     if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
         raise ValueError(
-            f"router_logits must be a 2-D fp32 tensor, got {tuple(router_logits.shape)} {router_logits.dtype}"
+            f"liger-dspine: router_logits must be a 2-D fp32 tensor, "
+            f"got {tuple(router_logits.shape)} {router_logits.dtype}"
         )
     num_tokens, num_experts = router_logits.shape
     if bias.shape != (num_experts,):
-        raise ValueError(f"e_score_correction_bias must have shape ({num_experts},), got {tuple(bias.shape)}")
+        raise ValueError(
+            f"liger-dspine: e_score_correction_bias must have shape ({num_experts},), got {tuple(bias.shape)}"
+        )
     _check_config(num_experts, top_k, n_group, topk_group)
     check_kernel_device(router_logits, "the MoE router kernel")
     router_logits = router_logits.contiguous()

@@ -71,7 +71,8 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
         if ctx.overwritten:
             raise RuntimeError(
-                "LigerSwiGLUDownFunction(in_place=True) can run its backward only once: the saved gate and up "
+                "liger-dspine: LigerSwiGLUDownFunction(in_place=True) can run its backward only once: "
+                "the saved gate and up "
                 "now hold their gradients. Use in_place=False for retain_graph=True or a second backward."
             )
         width, hidden = gate.shape[-1], down_weight.shape[0]
@@ -102,13 +103,14 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor) -> None:
     if gate.dim() < 1 or gate.shape != up.shape:
         raise ValueError(
-            f"{_WHAT}: gate and up must have one shape [..., I], got {tuple(gate.shape)} and {tuple(up.shape)}"
+            f"liger-dspine: {_WHAT}: gate and up must have one shape [..., I], "
+            f"got {tuple(gate.shape)} and {tuple(up.shape)}"
         )
     if gate.dtype != up.dtype:
-        raise ValueError(f"{_WHAT}: gate is {gate.dtype} and up is {up.dtype}; they must match")
+        raise ValueError(f"liger-dspine: {_WHAT}: gate is {gate.dtype} and up is {up.dtype}; they must match")
     if down_weight.dim() != 2 or down_weight.shape[1] != gate.shape[-1]:
         raise ValueError(
-            f"{_WHAT}: the weight must be [H, {gate.shape[-1]}] (nn.Linear(I, H).weight), got "
+            f"liger-dspine: {_WHAT}: the weight must be [H, {gate.shape[-1]}] (nn.Linear(I, H).weight), got "
             f"{tuple(down_weight.shape)}"
         )
 

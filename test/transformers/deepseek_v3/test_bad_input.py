@@ -29,6 +29,8 @@ from tiny_models import random_batch
 from tiny_models import snapshot_modeling_globals
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 VOCAB = 96  # tiny_deepseek_v3_config's vocab_size
 ONLY_LOSS_FORWARD = dict(rope=False, rms_norm=False, swiglu=False, moe_router=False)
 LOSS_FORWARDS = {

@@ -43,6 +43,8 @@ from tiny_models import random_batch
 from tiny_models import snapshot_modeling_globals
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 MODELING = modeling_module()
 # captured at import, while transformers is native (class-level patches rebind the module globals)
 NATIVE_FORWARD = MODELING.DeepseekV3ForCausalLM.forward

@@ -14,7 +14,6 @@ from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3RecomputeAttention
 from mla_attention import FP32
 from mla_attention import assert_attention_grads_match
-from mla_attention import attention_config
 from mla_attention import attention_pair
 from mla_attention import causal_mask
 from mla_attention import cos_sin
@@ -22,13 +21,18 @@ from mla_attention import layout_position_ids
 from mla_attention import model_pair
 from mla_attention import run_attention
 from mla_attention import vjp_grads
+from tiny_models import tiny_attention_config
 
 # The latents' gradients sum the heads group by group: fp32 rounding of another summation order.
 GROUPED = dict(atol=1e-5, rtol=1e-4)
 
-pytestmark = pytest.mark.skipif(
-    not liger_attention.LATENT_CACHE, reason="head-grouped recompute needs the latent cache (transformers >= 5.17)"
-)
+pytestmark = [
+    pytest.mark.matrix,
+    pytest.mark.skipif(
+        not liger_attention.LATENT_CACHE,
+        reason="head-grouped recompute needs the latent cache (transformers >= 5.17)",
+    ),
+]
 
 
 def _group_bytes_for(heads: int, config, tokens: int, element_size: int = 4) -> int:
@@ -47,7 +51,7 @@ def _inputs(config, device, batch, seq_len, layout="packed"):
 @pytest.mark.parametrize("liger_class", [LigerDeepseekV3RecomputeAttention, LigerDeepseekV3Attention])
 def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, with_cache, liger_class):
     """Both modes: the recompute, and the plain class's kept per-group graphs (long sequences)."""
-    config = attention_config(q_lora_rank, "sdpa")
+    config = tiny_attention_config(q_lora_rank, "sdpa")
     batch, seq_len = 2, 9
     # the largest power of two under the budget: 3 -> groups of 2, 2 (the head count is 4); 1 and 4 as they are
     budget = _group_bytes_for(group, config, batch * seq_len)
@@ -60,7 +64,7 @@ def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, wi
     cache = DynamicCache(config=config) if with_cache else None
     out = run_attention(liger, hidden, cos, sin, mask, cache=cache)
     grouped = liger_class is LigerDeepseekV3RecomputeAttention or group < config.num_attention_heads
-    assert (type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward") == grouped
+    assert (type(out.grad_fn).__name__ == "LigerHeadGroupedAttentionFunctionBackward") == grouped
     ref = run_attention(native, hidden, cos, sin, mask, cache=DynamicCache(config=config) if with_cache else None)
     torch.testing.assert_close(out, ref, **FP32)
 
@@ -70,7 +74,7 @@ def test_head_grouped_matches_native(device, monkeypatch, group, q_lora_rank, wi
 def test_kept_groups_free_each_graph_in_backward(device, monkeypatch):
     """The plain class's per-group graphs are released group by group: a second backward through them fails
     with an error that says so instead of returning wrong gradients."""
-    config = attention_config(12, "sdpa")
+    config = tiny_attention_config(12, "sdpa")
     monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", _group_bytes_for(1, config, 2 * 9))
     _, liger = attention_pair(config, device, LigerDeepseekV3Attention)
     hidden, cos, sin, mask = _inputs(config, device, 2, 9)
@@ -97,7 +101,7 @@ def test_heads_per_group_is_a_power_of_two_under_the_budget():
 def test_head_grouped_keeps_only_latents(device):
     """Nothing per head is kept for backward: against the plain class, the saved tensors shrink by at least the
     query, key, value and attention output (``o_proj``'s input) of every head."""
-    config = attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    config = tiny_attention_config(q_lora_rank=12, attn_implementation="sdpa")
     batch, seq_len, heads = 1, 6, config.num_attention_heads
     hidden, cos, sin, mask = _inputs(config, device, batch, seq_len, layout="contiguous")
 
@@ -139,7 +143,7 @@ def _wrapped_linear(linear):
 def test_other_set_ups_checkpoint_the_whole_core(device, case):
     """Where the heads cannot be grouped (eager attention returns weights, dropout draws random numbers, a
     projection is not a plain Linear or has hooks), the core is checkpointed whole and matches the native module."""
-    config = attention_config(12, "eager" if case == "eager" else "sdpa")
+    config = tiny_attention_config(12, "eager" if case == "eager" else "sdpa")
     native, liger = attention_pair(config, device, LigerDeepseekV3RecomputeAttention)
     if case == "dropout":
         liger.attention_dropout = 0.5  # random masks differ between the passes: only the rule is checked
@@ -155,7 +159,7 @@ def test_other_set_ups_checkpoint_the_whole_core(device, case):
     assert not liger._liger_head_groups_apply()
     hidden, cos, sin, mask = _inputs(config, device, 2, 7)
     out = run_attention(liger, hidden, cos, sin, mask)
-    assert type(out.grad_fn).__name__ != "HeadGroupedAttentionBackward"
+    assert type(out.grad_fn).__name__ != "LigerHeadGroupedAttentionFunctionBackward"
     assert len(hook_calls) == (case == "hooked_o_proj")
     ref = run_attention(native, hidden, cos, sin, mask)
     torch.testing.assert_close(out, ref, **FP32)
@@ -169,7 +173,7 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
     """bf16 weights, or fp32 weights under bf16 autocast (mixed-precision training, where a recompute must cast as
     the forward did): one head per group against the plain class running every head at once; the gradients come
     back in the weights' dtype."""
-    config = attention_config(12, "sdpa")
+    config = tiny_attention_config(12, "sdpa")
     batch, seq_len = 2, 33
     budget = _group_bytes_for(1, config, batch * seq_len, 2)
     monkeypatch.setattr(head_groups, "RECOMPUTE_GROUP_BYTES", budget)
@@ -189,7 +193,7 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
         grad = torch.ones_like(out)
         results.append((out, vjp_grads([out], [hidden, *module.parameters()], [grad])))
     (out, got), (ref, want) = results
-    assert type(out.grad_fn).__name__ == "HeadGroupedAttentionBackward"
+    assert type(out.grad_fn).__name__ == "LigerHeadGroupedAttentionFunctionBackward"
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     for g, w in zip(got, want):

@@ -30,6 +30,8 @@ from tiny_models import module_types
 from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 FP32 = dict(atol=1e-5, rtol=1e-5)
 LIGER_TYPES = {LigerRMSNorm, LigerSwiGLUMLP, LigerDeepseekV3Attention, LigerDeepseekV3TopkRouter}
 

@@ -27,6 +27,8 @@ from tiny_models import native_experts_class
 from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 MODELING = modeling_module()
 NativeRMSNorm = MODELING.DeepseekV3RMSNorm
 NativeMLP = MODELING.DeepseekV3MLP

@@ -9,8 +9,8 @@ from transformers import Qwen3Config
 from liger_dspine.models.dspine.configuration import DSpineConfig
 from liger_dspine.models.dspine.configuration import DSpineDraftConfig
 from liger_dspine.models.dspine.configuration import build_target_layer_ids
-from liger_dspine.models.dspine.testing import QWEN3_8B_DSPINE
-from liger_dspine.models.dspine.testing import tiny_draft_config
+from tiny_dspine import QWEN3_8B_DSPINE
+from tiny_dspine import tiny_draft_config
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ import torch
 from liger_dspine.models.dspine import DSpineAccumulationWindow
 from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
-from liger_dspine.models.dspine.testing import TINY_MASK_TOKEN
-from liger_dspine.models.dspine.testing import target_batch
-from liger_dspine.models.dspine.testing import tiny_draft_config
-from liger_dspine.models.dspine.testing import tiny_target
+from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import target_batch
+from tiny_dspine import tiny_draft_config
+from tiny_dspine import tiny_target
 
 pytest.importorskip("liger_kernel")
 

@@ -10,10 +10,10 @@ from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine.masks import causal_block_flex_mask
 from liger_dspine.models.dspine.masks import causal_block_mask
 from liger_dspine.models.dspine.masks import draft_position_ids
-from liger_dspine.models.dspine.testing import TINY_MASK_TOKEN
-from liger_dspine.models.dspine.testing import target_batch
-from liger_dspine.models.dspine.testing import tiny_draft_config
-from liger_dspine.models.dspine.testing import tiny_target
+from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import target_batch
+from tiny_dspine import tiny_draft_config
+from tiny_dspine import tiny_target
 
 SEQ = 14
 ANCHORS = torch.tensor([[1, 4, 8], [2, 6, 0]])

@@ -14,10 +14,10 @@ from liger_dspine.models.dspine.blocks import block_targets
 from liger_dspine.models.dspine.blocks import sample_anchor_positions
 from liger_dspine.models.dspine.frozen_head_terms import frozen_head_terms
 from liger_dspine.models.dspine.objective import refinement_terms
-from liger_dspine.models.dspine.testing import TINY_MASK_TOKEN
-from liger_dspine.models.dspine.testing import target_batch
-from liger_dspine.models.dspine.testing import tiny_draft_config
-from liger_dspine.models.dspine.testing import tiny_target
+from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import target_batch
+from tiny_dspine import tiny_draft_config
+from tiny_dspine import tiny_target
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ from liger_dspine.models.dspine import DSpineObjective
 from liger_dspine.models.dspine import builders
 from liger_dspine.models.dspine.fused_switch import fused_objective_on
 from liger_dspine.models.dspine.objective import BACKBONE_CE
-from liger_dspine.models.dspine.testing import TINY_MASK_TOKEN
-from liger_dspine.models.dspine.testing import target_batch
-from liger_dspine.models.dspine.testing import tiny_draft_config
-from liger_dspine.models.dspine.testing import tiny_target
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
+from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import target_batch
+from tiny_dspine import tiny_draft_config
+from tiny_dspine import tiny_target
 
 N_LAYERS = 2  # tiny_draft_config
 NORM_NAMES = [

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from safetensors.torch import save_file
 
 from liger_dspine.models.dspine import DSpineDraftConfig
 from liger_dspine.models.dspine import DSpineDraftModel
-from liger_dspine.models.dspine.testing import QWEN3_8B_DSPINE
-from liger_dspine.models.dspine.testing import tiny_draft_config
-from liger_dspine.models.dspine.testing import tiny_target
+from tiny_dspine import QWEN3_8B_DSPINE
+from tiny_dspine import tiny_draft_config
+from tiny_dspine import tiny_target
 
 
 def expected_shapes(H, I, n_h, n_kv, d, L, T, r, m, V):  # noqa: E741
@@ -165,9 +166,10 @@ def test_liger_mlp_refuses_unsupported_activation():
 NATIVE_WITHOUT_LIGER = """
 import sys
 sys.modules["liger_kernel"] = None  # any import of liger_kernel now fails
+sys.path.insert(0, sys.argv[1])  # the test folder, for tiny_dspine
 import torch
 from liger_dspine.models.dspine import DSpineDraftModel, DSpineObjective
-from liger_dspine.models.dspine.testing import target_batch, tiny_draft_config, tiny_target
+from tiny_dspine import target_batch, tiny_draft_config, tiny_target
 target = tiny_target()
 draft = DSpineDraftModel(tiny_draft_config())
 objective = DSpineObjective(draft, target.lm_head, target.model.embed_tokens, num_anchors=3).train()
@@ -183,8 +185,13 @@ print("ok", float(out.loss))
 def test_native_model_never_imports_liger_kernel():
     env = dict(os.environ)
     env.pop("LIGER_DSPINE_INTERPRET", None)
+    test_dir = Path(__file__).resolve().parents[2]
     result = subprocess.run(
-        [sys.executable, "-c", NATIVE_WITHOUT_LIGER], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", NATIVE_WITHOUT_LIGER, str(test_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")

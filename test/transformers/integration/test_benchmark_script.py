@@ -27,7 +27,7 @@ def tiny_run(tmp_path_factory):
 def test_every_implementation_measured(tiny_run):
     rows, _ = tiny_run
     steps = {row["impl"]: row for row in rows if row["kind"] == "throughput"}
-    assert sorted(steps) == ["dspine", "hf", "liger"]
+    assert sorted(steps) == ["hf", "liger", "liger-dspine"]
     for impl, row in steps.items():
         assert row["status"] == "ok", impl
         assert (row["layers"], row["seq"]) == ("2", "16"), impl  # --tiny maps 4096 tokens onto 16
@@ -43,5 +43,5 @@ def test_the_three_losses_agree(tiny_run):
 
 def test_report_has_the_ratio_columns(tiny_run):
     _, report = tiny_run
-    assert "dspine/hf speed" in report and "dspine/liger peak" in report
+    assert "liger-dspine/hf speed" in report and "liger-dspine/liger peak" in report
     assert "| 2 | 16 |" in report

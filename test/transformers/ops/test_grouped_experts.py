@@ -22,6 +22,8 @@ from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward as fused
 from tiny_models import native_experts_class
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 NativeExperts = native_experts_class()
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
@@ -172,7 +174,7 @@ def test_matches_reference_fp64(tokens, top_k, num_experts, used, piece_rows, mo
     x = torch.randn(tokens, 32, dtype=torch.float64)
     grad_out = torch.randn(tokens, 32, dtype=torch.float64)
     inputs = (x, index, weights.double(), native.gate_up_proj, native.down_proj, grad_out)
-    assert_results_close(run(ops.grouped_experts, *inputs), run(per_token_reference, *inputs), **FP64)
+    assert_results_close(run(ops.liger_grouped_experts, *inputs), run(per_token_reference, *inputs), **FP64)
 
 
 def test_input_shape_kept():
@@ -193,9 +195,10 @@ def test_int32_index_and_no_tokens():
     grad_out = torch.randn(6, 32)
     inputs = (native.gate_up_proj, native.down_proj, grad_out)
     assert_results_close(
-        run(ops.grouped_experts, x, index.int(), weights, *inputs), run(ops.grouped_experts, x, index, weights, *inputs)
+        run(ops.liger_grouped_experts, x, index.int(), weights, *inputs),
+        run(ops.liger_grouped_experts, x, index, weights, *inputs),
     )
-    empty = run(ops.grouped_experts, x[:0], index[:0], weights[:0], *inputs[:2], grad_out[:0])
+    empty = run(ops.liger_grouped_experts, x[:0], index[:0], weights[:0], *inputs[:2], grad_out[:0])
     assert [tuple(t.shape) for t in empty] == [(0, 32), (0, 32), (0, 2), (4, 32, 32), (4, 32, 16)]
     assert torch.count_nonzero(empty[3]) == 0 and torch.count_nonzero(empty[4]) == 0
 
@@ -287,7 +290,7 @@ def test_backward_computes_only_needed_grads(case, dtype, monkeypatch):
     fused_calls = []
     monkeypatch.setattr(ops, "silu_mul_rows_backward", lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
 
-    out = ops.grouped_experts(tensors["x"], index, tensors["weights"], tensors["gate_up"], tensors["down"])
+    out = ops.liger_grouped_experts(tensors["x"], index, tensors["weights"], tensors["gate_up"], tensors["down"])
     assert calls == {"rows_mm": 2, "weight_grad": 0}
     out.backward(grad_out)
 
@@ -307,7 +310,7 @@ def test_fused_backward_refuses_a_second_pass():
     native = native_experts(experts_config(4, 2))
     index, weights = routing(8, 2, [0, 1, 3])
     x = torch.randn(8, 32, requires_grad=True)
-    out = ops.grouped_experts(x, index, weights, native.gate_up_proj, native.down_proj)
+    out = ops.liger_grouped_experts(x, index, weights, native.gate_up_proj, native.down_proj)
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
@@ -326,7 +329,7 @@ def test_torch_grouped_mm_branch_on_cpu(tokens, top_k, num_experts, used, zero_f
     x = torch.randn(tokens, 32)
     grad_out = torch.randn(tokens, 32)
     inputs = (x, index, weights, native.gate_up_proj, native.down_proj, grad_out)
-    loop = run(ops.grouped_experts, *inputs)
+    loop = run(ops.liger_grouped_experts, *inputs)
 
     real = ops.torch_grouped_mm_function()
     calls = []
@@ -337,7 +340,7 @@ def test_torch_grouped_mm_branch_on_cpu(tokens, top_k, num_experts, used, zero_f
 
     monkeypatch.setattr(ops, "torch_grouped_mm_supported", lambda device: True)
     monkeypatch.setattr(ops, "torch_grouped_mm_function", lambda: counted)
-    grouped = run(ops.grouped_experts, *inputs)
+    grouped = run(ops.liger_grouped_experts, *inputs)
 
     # forward: gate/up and down; backward: g, the two weight gradients (2-D x 2-D) and the input gradient
     assert sorted(calls) == [[2, 2], [2, 2], [2, 3], [2, 3], [2, 3], [2, 3]]
@@ -357,7 +360,7 @@ def test_torch_compile_keeps_the_eager_numbers(branch, monkeypatch):
     x = torch.randn(2, 6, 32, requires_grad=True)
 
     def block(x):
-        flat = ops.grouped_experts(x.view(-1, 32), index, weights, native.gate_up_proj, native.down_proj)
+        flat = ops.liger_grouped_experts(x.view(-1, 32), index, weights, native.gate_up_proj, native.down_proj)
         return x + flat.view(x.shape)
 
     eager = block(x)
@@ -391,7 +394,7 @@ def test_cpu_autocast_computes_in_bf16():
     grad_out = torch.randn(12, 32)
     inputs = (x, index, weights, native.gate_up_proj, native.down_proj, grad_out)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        actual = run(ops.grouped_experts, *inputs)
+        actual = run(ops.liger_grouped_experts, *inputs)
     reference = reference_results(native, x, index, weights, grad_out)
     assert all(t.dtype == torch.float32 for t in actual)
     for name, a, r in zip(NAMES, actual, reference):

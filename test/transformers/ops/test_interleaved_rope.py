@@ -17,7 +17,6 @@ from liger_dspine.ops.interleaved_rope import liger_mla_key
 from liger_dspine.ops.interleaved_rope import liger_mla_query
 from mla_attention import FP32
 from mla_attention import assert_attention_grads_match
-from mla_attention import attention_config
 from mla_attention import attention_pair
 from mla_attention import causal_mask
 from mla_attention import cos_sin
@@ -25,6 +24,9 @@ from mla_attention import layout_position_ids
 from mla_attention import model_pair
 from mla_attention import run_attention
 from mla_attention import vjp_grads
+from tiny_models import tiny_attention_config
+
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
 
 
 def test_transformers_cos_sin_carry_no_gradient(device):
@@ -248,7 +250,7 @@ def test_mla_kernels_deepseek_widths_fp32_cuda():
 @pytest.mark.parametrize("rope_interleave", [True, False])
 @pytest.mark.parametrize("liger_class", [LigerDeepseekV3Attention, LigerDeepseekV3RecomputeAttention])
 def test_attention_matches_native(device, q_lora_rank, attn_implementation, rope_interleave, liger_class):
-    config = attention_config(q_lora_rank, attn_implementation, rope_interleave)
+    config = tiny_attention_config(q_lora_rank, attn_implementation, rope_interleave)
     native, liger = attention_pair(config, device, liger_class)
     assert liger.state_dict().keys() == native.state_dict().keys()
     batch, seq_len = 2, 9
@@ -270,7 +272,7 @@ def test_recompute_attention_keeps_less_for_backward(device, with_cache):
     with the cache transformers' models make in training (use_cache defaults to True)."""
     if with_cache and not liger_attention.LATENT_CACHE:
         pytest.skip("transformers < 5.17 caches expanded keys: no recompute with a cache")
-    config = attention_config(q_lora_rank=12, attn_implementation="sdpa")
+    config = tiny_attention_config(q_lora_rank=12, attn_implementation="sdpa")
     batch, seq_len, heads = 1, 6, config.num_attention_heads
     hidden = torch.randn(batch, seq_len, config.hidden_size, device=device, requires_grad=True)
     cos, sin = cos_sin(config.qk_rope_head_dim, layout_position_ids("contiguous", batch, seq_len), device)
@@ -299,7 +301,7 @@ def test_recompute_attention_keeps_less_for_backward(device, with_cache):
 
 
 def test_attention_class_level_construction_loads_native_weights(device):
-    config = attention_config(q_lora_rank=12)
+    config = tiny_attention_config(q_lora_rank=12)
     native, _ = attention_pair(config, device)
     liger = LigerDeepseekV3Attention(config, layer_idx=0).to(device)
     liger.load_state_dict(native.state_dict())
@@ -321,7 +323,7 @@ def test_attention_with_cache_matches_native(device, monkeypatch, latent_cache, 
     its outputs must still equal the native ones.
     """
     monkeypatch.setattr(liger_attention, "LATENT_CACHE", latent_cache)
-    config = attention_config(q_lora_rank=None)
+    config = tiny_attention_config(q_lora_rank=None)
     native, liger = attention_pair(config, device)
     batch, prefill = 2, 6
     hidden = torch.randn(batch, prefill + 1, config.hidden_size, device=device)

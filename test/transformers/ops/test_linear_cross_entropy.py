@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from liger_dspine.ops.linear_cross_entropy import IGNORE_INDEX
 from liger_dspine.ops.linear_cross_entropy import default_vocab_chunk
-from liger_dspine.ops.linear_cross_entropy import vocab_chunked_linear_cross_entropy
+from liger_dspine.ops.linear_cross_entropy import liger_vocab_chunked_linear_cross_entropy
 
 TOKENS, HIDDEN, VOCAB = 10, 16, 70
 
@@ -44,7 +44,7 @@ def run_op(hidden, weight, targets, grad_scale=1.0, hidden_grad=True, weight_gra
     """The op on fresh leaves; returns loss, accuracy, d hidden, d weight (None where no grad was asked)."""
     h = hidden.detach().clone().requires_grad_(hidden_grad)
     w = weight.detach().clone().requires_grad_(weight_grad)
-    loss, accuracy = vocab_chunked_linear_cross_entropy(h, w, targets, **kwargs)
+    loss, accuracy = liger_vocab_chunked_linear_cross_entropy(h, w, targets, **kwargs)
     (loss * grad_scale).backward()
     return loss.detach(), accuracy, h.grad, w.grad
 
@@ -93,7 +93,7 @@ def test_half_precision_rounds_like_the_reference(device):
 
 def test_without_token_accuracy(device):
     hidden, weight, targets = make_inputs(device)
-    loss, accuracy = vocab_chunked_linear_cross_entropy(hidden, weight, targets, return_token_accuracy=False)
+    loss, accuracy = liger_vocab_chunked_linear_cross_entropy(hidden, weight, targets, return_token_accuracy=False)
     assert accuracy is None
     torch.testing.assert_close(loss.double(), reference(hidden, weight, targets)[0], rtol=1e-5, atol=1e-6)
 
@@ -132,7 +132,7 @@ def test_argmax_ties_take_the_first_index_across_chunks(device):
     targets = torch.tensor([5, 40] * (TOKENS // 2))
     hidden, weight, targets = hidden.to(device), weight.to(device), targets.to(device)
     for vocab_chunk in (16, 128):
-        _, accuracy = vocab_chunked_linear_cross_entropy(hidden, weight, targets, vocab_chunk=vocab_chunk)
+        _, accuracy = liger_vocab_chunked_linear_cross_entropy(hidden, weight, targets, vocab_chunk=vocab_chunk)
         assert accuracy.item() == 0.5
 
 
@@ -142,7 +142,7 @@ def test_saves_nothing_of_size_tokens_x_vocab_or_vocab_x_hidden(device):
     weight.requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss, _ = vocab_chunked_linear_cross_entropy(hidden, weight, targets, vocab_chunk=16)
+        loss, _ = liger_vocab_chunked_linear_cross_entropy(hidden, weight, targets, vocab_chunk=16)
     large = {TOKENS * VOCAB, VOCAB * HIDDEN}
     offenders = [t for t in saved if t.numel() in large and t.data_ptr() != weight.data_ptr()]
     assert not offenders, [tuple(t.shape) for t in offenders]
@@ -153,11 +153,11 @@ def test_saves_nothing_of_size_tokens_x_vocab_or_vocab_x_hidden(device):
 def test_rejects_bad_arguments(device):
     hidden, weight, targets = make_inputs(device)
     with pytest.raises(ValueError, match="reduction"):
-        vocab_chunked_linear_cross_entropy(hidden, weight, targets, reduction="none")
+        liger_vocab_chunked_linear_cross_entropy(hidden, weight, targets, reduction="none")
     with pytest.raises(ValueError, match="targets"):
-        vocab_chunked_linear_cross_entropy(hidden, weight, targets[:-1])
+        liger_vocab_chunked_linear_cross_entropy(hidden, weight, targets[:-1])
     with pytest.raises(ValueError, match="weight"):
-        vocab_chunked_linear_cross_entropy(hidden, weight[:, :-1], targets)
+        liger_vocab_chunked_linear_cross_entropy(hidden, weight[:, :-1], targets)
 
 
 def test_default_vocab_chunk():

@@ -18,6 +18,10 @@ from liger_dspine.models.deepseek_v3.router import LigerDeepseekV3TopkRouter
 from liger_dspine.models.deepseek_v3.router import liger_route_tokens_to_experts
 from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
+from tiny_models import tiny_deepseek_v3_config
+from tiny_models import tiny_router_config
+
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
 
 MARGIN = 1e-5
 
@@ -25,9 +29,7 @@ MARGIN = 1e-5
 # transformers < 5.13: the router returns only its logits and DeepseekV3MoE.route_tokens_to_experts selects
 # (that layout is covered by the whole-model patch tests).
 ROUTER_SELECTS = pytest.mark.skipif(
-    not hasattr(
-        DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=32, n_routed_experts=8, n_group=2, topk_group=1)), "top_k"
-    ),
+    not hasattr(DeepseekV3TopkRouter(tiny_deepseek_v3_config(n_routed_experts=8)), "top_k"),
     reason="this transformers version routes in DeepseekV3MoE.route_tokens_to_experts",
 )
 
@@ -42,14 +44,14 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
 
     def hf_config(self, hidden_size: int) -> DeepseekV3Config:
-        return DeepseekV3Config(
+        return tiny_router_config(
+            self.num_experts,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
             hidden_size=hidden_size,
-            n_routed_experts=self.num_experts,
-            num_experts_per_tok=self.top_k,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor,
         )
 
     def kwargs(self) -> dict:

@@ -25,6 +25,8 @@ from tiny_models import random_batch
 from tiny_models import snapshot_modeling_globals
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 # fp32 kernels through the interpreter against eager fp32: rounding differences only
 ATOL = RTOL = 1e-5
 

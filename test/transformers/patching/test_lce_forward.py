@@ -23,6 +23,8 @@ from tiny_models import loss_and_grads
 from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 FP32 = dict(atol=1e-5, rtol=1e-5)
 ONLY_LOSS_FORWARD = dict(rope=False, rms_norm=False, swiglu=False, moe_router=False)
 

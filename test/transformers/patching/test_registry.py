@@ -27,6 +27,8 @@ from tiny_models import module_types
 from tiny_models import snapshot_modeling_globals
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+
 LIGER_TABLE = liger_monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN
 LIGER_DEEPSEEK_V3_FN = LIGER_TABLE["deepseek_v3"]
 

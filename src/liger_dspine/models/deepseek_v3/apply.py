@@ -58,9 +58,13 @@ def apply_liger_kernel_to_deepseek_v3(
         A ``PatchReport`` listing what was replaced, old -> new.
     """
     if cross_entropy and fused_linear_cross_entropy:
-        raise ValueError("cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path")
+        raise ValueError(
+            "liger-dspine: cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path"
+        )
     if recompute_attention and not rope:
-        raise ValueError("recompute_attention=True needs rope=True: it is a mode of liger-dspine's MLA attention")
+        raise ValueError(
+            "liger-dspine: recompute_attention=True needs rope=True: it is a mode of liger-dspine's MLA attention"
+        )
     require_supported_versions()
     options = dict(
         rope=rope and not recompute_attention,

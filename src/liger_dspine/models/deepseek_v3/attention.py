@@ -178,13 +178,15 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         return head_groups.heads_per_group(self.num_heads, q_latent.shape[:-1].numel(), per_token_head, budget)
 
     def _liger_head_grouped(self, q_latent, kv_nope, k_rot, core, group: int) -> torch.Tensor:
-        """``o_proj`` output [B, S, hidden] of :class:`HeadGroupedAttention`, ``group`` heads at a time."""
-        from liger_dspine.models.deepseek_v3.head_groups import head_grouped_attention
+        """``o_proj`` output [B, S, hidden] of :class:`LigerHeadGroupedAttentionFunction`, ``group`` heads at a time."""
+        from liger_dspine.models.deepseek_v3.head_groups import liger_head_grouped_attention
 
         widths = (self.num_heads, self.qk_head_dim, self.qk_nope_head_dim + self.v_head_dim, self.v_head_dim)
         run_group = lambda *args: core(*args)[0]  # noqa: E731
         weights = (self._liger_q_up_proj().weight, self.kv_b_proj.weight, self.o_proj.weight)
-        return head_grouped_attention(run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights)
+        return liger_head_grouped_attention(
+            run_group, widths, group, self.recompute_core, q_latent, kv_nope, k_rot, *weights
+        )
 
     def _liger_q_up_proj(self) -> torch.nn.Module:
         """The projection from the query latent to the per-head queries."""

@@ -59,7 +59,7 @@ def _leaves(latents, needs):
     return [t.detach().requires_grad_(need) for t, need in zip(latents, needs)]
 
 
-class HeadGroupedAttention(torch.autograd.Function):
+class LigerHeadGroupedAttentionFunction(torch.autograd.Function):
     """``run_group(q_latent, kv_latent, k_rot, q_rows, kv_rows) -> [B, S, g, V]`` runs the heads whose weight rows
     it is given; this op returns ``o_proj(concat over groups) [B, S, hidden]``.
 
@@ -95,7 +95,7 @@ class HeadGroupedAttention(torch.autograd.Function):
     def backward(ctx, grad_y):
         device_type, dtype, enabled = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # a recompute casts as the forward did
-            return (None,) * 4 + HeadGroupedAttention._backward(ctx, grad_y)
+            return (None,) * 4 + LigerHeadGroupedAttentionFunction._backward(ctx, grad_y)
 
     @staticmethod
     def _backward(ctx, grad_y):
@@ -145,10 +145,10 @@ class HeadGroupedAttention(torch.autograd.Function):
 
 # torch.compile runs it as it is (a graph break on each side): its backward runs autograd over per-group graphs.
 @torch.compiler.disable
-def head_grouped_attention(
+def liger_head_grouped_attention(
     run_group, head_widths, group, recompute, q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight
 ) -> torch.Tensor:
-    """:class:`HeadGroupedAttention` outside any ``torch.compile`` graph; arguments as its ``forward``."""
-    return HeadGroupedAttention.apply(
+    """:class:`LigerHeadGroupedAttentionFunction` outside any ``torch.compile`` graph; arguments as its ``forward``."""
+    return LigerHeadGroupedAttentionFunction.apply(
         run_group, head_widths, group, recompute, q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight
     )

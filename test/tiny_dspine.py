@@ -1,4 +1,4 @@
-"""Tiny DSpine set-ups for tests and examples: a random Qwen3 target, a matching drafter and a batch.
+"""Tiny DSpine set-ups for the tests: a random Qwen3 target, a matching drafter and a batch.
 
 Nothing is downloaded: the target is built from a config with random weights.
 """
