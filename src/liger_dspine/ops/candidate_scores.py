@@ -47,7 +47,7 @@ class LigerCandidateScoresFunction(torch.autograd.Function):
         return grad_hidden, None, None, None
 
 
-def candidate_scores(
+def liger_candidate_scores(
     hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> torch.Tensor:
     """s[..., k] = W[ids[..., k]] . h[...] in fp32.

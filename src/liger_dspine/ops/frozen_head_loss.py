@@ -103,7 +103,7 @@ class LigerFrozenHeadLossFunction(torch.autograd.Function):
         return out, *(None,) * 9
 
 
-def fused_frozen_head_loss(
+def liger_frozen_head_loss(
     draft_hidden: torch.Tensor,
     head_weight: torch.Tensor,
     labels: torch.Tensor,

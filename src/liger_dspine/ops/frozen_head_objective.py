@@ -10,7 +10,7 @@ x [R, H], teacher rows t [R, H] and the frozen head W [V, H], per row
 with gradients only to x, through ce and l1, each with a gradient of its own. It never holds [R, V] logits: rows go
 in chunks (:func:`default_chunk_rows`), and nothing of size V is saved for the backward, which recomputes each
 chunk's logits (see :mod:`liger_dspine.ops.frozen_head_kernels` for the passes). When the caller only needs the
-weighted sum of ce and l1, :func:`liger_dspine.ops.frozen_head_loss.fused_frozen_head_loss` is cheaper: it forms the
+weighted sum of ce and l1, :func:`liger_dspine.ops.frozen_head_loss.liger_frozen_head_loss` is cheaper: it forms the
 input gradient in its forward and recomputes nothing.
 
 Differences from the eager function (both where eager is undefined or arbitrary):
@@ -36,7 +36,7 @@ from liger_dspine.ops.frozen_head_kernels import default_chunk_rows
 from liger_dspine.ops.frozen_head_kernels import write_logit_grads
 from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
 
-__all__ = ["IGNORE_INDEX", "default_chunk_rows", "fused_frozen_head_terms", "LigerFrozenHeadTermsFunction"]
+__all__ = ["IGNORE_INDEX", "default_chunk_rows", "liger_frozen_head_terms", "LigerFrozenHeadTermsFunction"]
 
 
 class LigerFrozenHeadTermsFunction(torch.autograd.Function):
@@ -120,7 +120,7 @@ class _SavedStats:
         self.sign_mass = None if sign_mass is None else sign_mass[start:end]
 
 
-def fused_frozen_head_terms(
+def liger_frozen_head_terms(
     draft_hidden: torch.Tensor,
     head_weight: torch.Tensor,
     labels: torch.Tensor,

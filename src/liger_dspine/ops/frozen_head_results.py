@@ -23,7 +23,7 @@ class FrozenHeadTerms(NamedTuple):
 
 
 class FrozenHeadLoss(NamedTuple):
-    """The weighted loss of :func:`fused_frozen_head_loss` and its per-row terms.
+    """The weighted loss of :func:`liger_frozen_head_loss` and its per-row terms.
 
     loss: fp32 scalar, sum_r ce_scale_r * ce_r + l1_scale_r * l1_r, differentiable in the draft rows.
     terms: :class:`FrozenHeadTerms`, every tensor detached.

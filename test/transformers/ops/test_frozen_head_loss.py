@@ -12,7 +12,7 @@ import torch
 from liger_dspine.models.dspine.frozen_head_terms import frozen_head_terms
 from liger_dspine.ops.frozen_head_kernels import IGNORE_INDEX
 from liger_dspine.ops.frozen_head_kernels import TOPK_SUB
-from liger_dspine.ops.frozen_head_loss import fused_frozen_head_loss
+from liger_dspine.ops.frozen_head_loss import liger_frozen_head_loss
 from liger_dspine.ops.frozen_head_loss import loss_chunk_rows
 
 ROWS, HIDDEN, VOCAB, TOP_K = 13, 16, 3000, 4
@@ -43,7 +43,7 @@ def eager_loss(draft, head, labels, teacher, ce_scale, l1_scale, top_k=TOP_K):
 
 def fused_loss(draft, head, labels, teacher, ce_scale, l1_scale, top_k=TOP_K, **kwargs):
     leaf = draft.detach().clone().requires_grad_(True)
-    out = fused_frozen_head_loss(leaf, head, labels, ce_scale, teacher, l1_scale, top_k, **kwargs)
+    out = liger_frozen_head_loss(leaf, head, labels, ce_scale, teacher, l1_scale, top_k, **kwargs)
     out.loss.backward()
     return out.loss.detach(), out.terms, leaf.grad
 
@@ -78,7 +78,7 @@ def test_ce_only_matches_eager(device):
 def test_a_retained_graph_gives_the_same_gradient_every_time(device):
     draft, head, labels, teacher, ce_scale, l1_scale = inputs(device)
     leaf = draft.clone().requires_grad_(True)
-    out = fused_frozen_head_loss(leaf, head, labels, ce_scale, teacher, l1_scale, TOP_K)
+    out = liger_frozen_head_loss(leaf, head, labels, ce_scale, teacher, l1_scale, TOP_K)
     loss = 3.0 * out.loss
     (first,) = torch.autograd.grad(loss, leaf, retain_graph=True)
     loss.backward(retain_graph=True)
@@ -100,9 +100,9 @@ def test_without_autograd_no_gradient_is_formed(device, monkeypatch):
     monkeypatch.setattr(loss_module, "write_logit_grads", forbidden)
     monkeypatch.setattr(loss_module, "_project_grads", forbidden)
     with torch.no_grad():
-        out = fused_frozen_head_loss(draft.requires_grad_(True), head, labels, ce_scale, teacher, l1_scale, TOP_K)
+        out = liger_frozen_head_loss(draft.requires_grad_(True), head, labels, ce_scale, teacher, l1_scale, TOP_K)
     assert not out.loss.requires_grad
-    out = fused_frozen_head_loss(draft.detach(), head, labels, ce_scale, None, None)  # x needs no gradient
+    out = liger_frozen_head_loss(draft.detach(), head, labels, ce_scale, None, None)  # x needs no gradient
     ref_loss, _, _ = eager_loss(draft, head, labels, None, ce_scale, None)
     torch.testing.assert_close(out.loss, ref_loss, atol=1e-5, rtol=1e-5)
 
@@ -110,19 +110,19 @@ def test_without_autograd_no_gradient_is_formed(device, monkeypatch):
 def test_bad_arguments_are_named(device):
     draft, head, labels, teacher, ce_scale, l1_scale = inputs(device)
     with pytest.raises(ValueError, match="l1_scale of shape \\[13\\], got None"):
-        fused_frozen_head_loss(draft, head, labels, ce_scale, teacher, None, TOP_K)
+        liger_frozen_head_loss(draft, head, labels, ce_scale, teacher, None, TOP_K)
     with pytest.raises(ValueError, match="ce_scale of shape \\[13\\], got \\(12,\\)"):
-        fused_frozen_head_loss(draft, head, labels, ce_scale[:12])
+        liger_frozen_head_loss(draft, head, labels, ce_scale[:12])
     bad = labels.clone()
     bad[5] = VOCAB + 7
     with pytest.raises(ValueError, match=f"label {VOCAB + 7} is outside the vocabulary \\[0, {VOCAB}\\)"):
-        fused_frozen_head_loss(draft, head, bad, ce_scale, teacher, l1_scale, TOP_K)
+        liger_frozen_head_loss(draft, head, bad, ce_scale, teacher, l1_scale, TOP_K)
     with pytest.raises(ValueError, match="top_k >= 1"):
-        fused_frozen_head_loss(draft, head, labels, ce_scale, teacher, l1_scale, 0)
+        liger_frozen_head_loss(draft, head, labels, ce_scale, teacher, l1_scale, 0)
     with pytest.raises(ValueError, match="freeze it"):
-        fused_frozen_head_loss(draft, head.clone().requires_grad_(True), labels, ce_scale)
+        liger_frozen_head_loss(draft, head.clone().requires_grad_(True), labels, ce_scale)
     with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
-        fused_frozen_head_loss(draft, head, labels, ce_scale, chunk_rows=0)
+        liger_frozen_head_loss(draft, head, labels, ce_scale, chunk_rows=0)
 
 
 def test_chunk_rows_fit_the_budget():
@@ -152,7 +152,7 @@ def test_cuda_bf16_matches_eager_and_stays_lean(monkeypatch):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = fused_frozen_head_loss(leaf, head, labels, ce_scale, teacher, l1_scale, 16, chunk_rows=512)
+    out = liger_frozen_head_loss(leaf, head, labels, ce_scale, teacher, l1_scale, 16, chunk_rows=512)
     out.loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base

@@ -6,8 +6,8 @@ teacher probabilities at those candidates (what the refinement loss needs). Only
 (through ``ce`` and ``l1``); W and the teacher are constants.
 
 This eager version materialises [R, V] fp32 logits for the rows it is given: callers bound R by chunking. A fused
-kernel with the same signature and outputs is :func:`liger_dspine.ops.frozen_head_objective.fused_frozen_head_terms`;
-the DSpine objective's fused path uses :func:`liger_dspine.ops.frozen_head_loss.fused_frozen_head_loss`.
+kernel with the same signature and outputs is :func:`liger_dspine.ops.frozen_head_objective.liger_frozen_head_terms`;
+the DSpine objective's fused path uses :func:`liger_dspine.ops.frozen_head_loss.liger_frozen_head_loss`.
 """
 
 from typing import Callable

@@ -65,7 +65,7 @@ def refinement_terms(
     Args:
         refined: [..., H] ``refine(pre_injection, true predecessor)``.
         candidate_ids: [..., K]; candidate_teacher_probs: [..., K]; labels: [...].
-        lean_scores: score the candidates with :func:`~liger_dspine.ops.candidate_scores.candidate_scores`
+        lean_scores: score the candidates with :func:`~liger_dspine.ops.candidate_scores.liger_candidate_scores`
             (the fused objective's path), which keeps no [..., K, H] copy of the head rows.
 
     Returns:
@@ -74,9 +74,9 @@ def refinement_terms(
         covered: [...] bool, label among the candidates.
     """
     if lean_scores:  # the same fp32 scores without keeping the gathered [..., K, H] rows
-        from liger_dspine.ops.candidate_scores import candidate_scores
+        from liger_dspine.ops.candidate_scores import liger_candidate_scores
 
-        scores = candidate_scores(refined, head_weight, candidate_ids)
+        scores = liger_candidate_scores(refined, head_weight, candidate_ids)
     else:
         candidates = head_weight[candidate_ids].float()  # [..., K, H]
         scores = torch.matmul(candidates, refined.float()[..., None]).squeeze(-1)  # [..., K]
@@ -109,7 +109,7 @@ class DSpineObjective(nn.Module):
             computes everything chunk by chunk under activation checkpointing; the fused path only the refinement
             and alignment terms (the frozen-head terms are chunked inside their kernel).
         fused_objective: True computes the backbone CE, L1 and top-k candidates with the fused kernel
-            (:func:`~liger_dspine.ops.frozen_head_loss.fused_frozen_head_loss`), False with the eager
+            (:func:`~liger_dspine.ops.frozen_head_loss.liger_frozen_head_loss`), False with the eager
             :func:`frozen_head_terms`; None (the default) follows ``apply_liger_kernel_to_dspine``: eager unless
             the class or this objective was patched with ``fused_objective=True``.
         head_chunk_rows: rows per chunk of the fused kernel; None fits each chunk's draft and teacher logits in
@@ -238,7 +238,7 @@ class DSpineObjective(nn.Module):
         Returns ``FrozenHeadLoss``: loss = sum w (ce_weight CE + (1 - ce_weight) L1), or sum w CE without a
         teacher, differentiable in ``hidden``; per-row terms detached.
         """
-        from liger_dspine.ops.frozen_head_loss import fused_frozen_head_loss
+        from liger_dspine.ops.frozen_head_loss import liger_frozen_head_loss
 
         rows, proposals = labels.shape
         flat_weights = weights.reshape(-1)
@@ -248,7 +248,7 @@ class DSpineObjective(nn.Module):
         else:
             ce_scale, l1_scale = ce_weight * flat_weights, (1.0 - ce_weight) * flat_weights
             teacher_rows = teacher.reshape(rows * proposals, -1)
-        return fused_frozen_head_loss(
+        return liger_frozen_head_loss(
             hidden.reshape(rows * proposals, -1),
             self.lm_head.weight,
             labels.reshape(-1),
