@@ -2,34 +2,110 @@
 
 The DSpine refinement loss scores each proposal's K candidates against its refined state. Written as
 ``W[ids].float() @ h`` it materialises [N, K, H] fp32 (about 880 MB for 1920 rows, K = 16, H = 7168) and autograd
-keeps it for the backward. Here rows go in blocks whose gathered rows fit ``block_bytes``, and the backward gathers
-them again: it needs only W (frozen: it gets no gradient) and the ids, dh[n] = sum_k ds[n, k] W[ids[n, k]].
-Both directions compute in fp32, as the eager expression does; dh is returned in h's dtype.
+keeps it for the backward. Here one Triton program per row reads its K head rows in [K, BLOCK_H] tiles and reduces
+in fp32: the forward gives s[n, :], the backward dh[n, :] = sum_k ds[n, k] W[ids[n, k], :]. The backward needs only
+W (frozen: it gets no gradient) and the ids, so nothing of size K x H is kept. dh is returned in h's dtype.
+Without a Triton device (CPU without the interpreter, or fp64) the same sums run in torch, a block of rows at a time.
 """
 
 import torch
+import triton
+import triton.language as tl
 
-DEFAULT_BLOCK_BYTES = 128 * 2**20
+from liger_dspine._interpreter import kernel_runs_on
+
+_BLOCK_H = 256
+_TORCH_BLOCK_BYTES = 128 * 2**20
 
 
-def _blocks(rows: int, top_k: int, hidden: int, block_bytes: int):
-    step = max(1, block_bytes // max(1, top_k * hidden * 4))
+@triton.jit
+def _candidate_scores_kernel(
+    hidden_ptr,  # [N, H]
+    weight_ptr,  # [V, H]
+    ids_ptr,  # [N, K] int64
+    scores_ptr,  # [N, K] fp32 out
+    hidden_size,
+    top_k,
+    K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, K_PAD)
+    in_k = ks < top_k
+    ids = tl.load(ids_ptr + row * top_k + ks, mask=in_k, other=0)
+    cols = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([K_PAD], dtype=tl.float32)
+    for start in range(0, hidden_size, BLOCK_H):
+        offsets = start + cols
+        in_h = offsets < hidden_size
+        h = tl.load(hidden_ptr + row * hidden_size + offsets, mask=in_h, other=0.0).to(tl.float32)
+        w = tl.load(
+            weight_ptr + ids[:, None] * hidden_size + offsets[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0
+        ).to(tl.float32)
+        acc += tl.sum(w * h[None, :], axis=1)
+    tl.store(scores_ptr + row * top_k + ks, acc, mask=in_k)
+
+
+@triton.jit
+def _candidate_scores_backward_kernel(
+    grad_scores_ptr,  # [N, K] fp32
+    weight_ptr,  # [V, H]
+    ids_ptr,  # [N, K] int64
+    grad_hidden_ptr,  # [N, H] out, in the rows' dtype
+    hidden_size,
+    top_k,
+    K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, K_PAD)
+    in_k = ks < top_k
+    ids = tl.load(ids_ptr + row * top_k + ks, mask=in_k, other=0)
+    g = tl.load(grad_scores_ptr + row * top_k + ks, mask=in_k, other=0.0)
+    cols = tl.arange(0, BLOCK_H)
+    for start in range(0, hidden_size, BLOCK_H):
+        offsets = start + cols
+        in_h = offsets < hidden_size
+        w = tl.load(
+            weight_ptr + ids[:, None] * hidden_size + offsets[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0
+        ).to(tl.float32)
+        dh = tl.sum(w * g[:, None], axis=0)
+        tl.store(grad_hidden_ptr + row * hidden_size + offsets, dh.to(grad_hidden_ptr.dtype.element_ty), mask=in_h)
+
+
+def _use_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        hidden.dtype != torch.float64
+        and weight.dtype != torch.float64
+        and kernel_runs_on(hidden, _candidate_scores_kernel)
+    )
+
+
+def _torch_blocks(rows: int, top_k: int, hidden_size: int):
+    step = max(1, _TORCH_BLOCK_BYTES // max(1, top_k * hidden_size * 4))
     for start in range(0, rows, step):
         yield start, min(start + step, rows)
 
 
 class LigerCandidateScoresFunction(torch.autograd.Function):
-    """``(h [N, H], W [V, H], ids [N, K], block_bytes)`` -> scores [N, K] fp32; differentiable in h only."""
+    """``(h [N, H], W [V, H], ids [N, K])`` -> scores [N, K] fp32; differentiable in h only."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, block_bytes):
+    def forward(ctx, hidden, weight, ids):
         rows, top_k = ids.shape
+        hidden_size = weight.shape[1]
         scores = torch.empty(rows, top_k, dtype=torch.float32, device=hidden.device)
-        for start, end in _blocks(rows, top_k, weight.shape[1], block_bytes):
-            gathered = weight[ids[start:end]].float()  # [b, K, H]
-            scores[start:end] = torch.bmm(gathered, hidden[start:end].float().unsqueeze(-1)).squeeze(-1)
+        ctx.use_kernel = _use_kernel(hidden, weight)
+        if ctx.use_kernel and rows:
+            _candidate_scores_kernel[(rows,)](
+                hidden, weight, ids, scores, hidden_size, top_k,
+                K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
+            )  # fmt: skip
+        elif not ctx.use_kernel:
+            for start, end in _torch_blocks(rows, top_k, hidden_size):
+                gathered = weight[ids[start:end]].float()  # [b, K, H]
+                scores[start:end] = torch.bmm(gathered, hidden[start:end].float().unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(weight, ids)
-        ctx.block_bytes = block_bytes
         ctx.hidden_dtype = hidden.dtype
         return scores
 
@@ -37,26 +113,30 @@ class LigerCandidateScoresFunction(torch.autograd.Function):
     def backward(ctx, grad_scores):
         weight, ids = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None
         rows, top_k = ids.shape
-        grad_scores = grad_scores.float()
-        grad_hidden = torch.empty(rows, weight.shape[1], dtype=ctx.hidden_dtype, device=grad_scores.device)
-        for start, end in _blocks(rows, top_k, weight.shape[1], ctx.block_bytes):
-            gathered = weight[ids[start:end]].float()
-            grad_hidden[start:end] = torch.bmm(grad_scores[start:end].unsqueeze(1), gathered).squeeze(1)
-        return grad_hidden, None, None, None
+        hidden_size = weight.shape[1]
+        grad_scores = grad_scores.float().contiguous()
+        grad_hidden = torch.empty(rows, hidden_size, dtype=ctx.hidden_dtype, device=grad_scores.device)
+        if ctx.use_kernel and rows:
+            _candidate_scores_backward_kernel[(rows,)](
+                grad_scores, weight, ids, grad_hidden, hidden_size, top_k,
+                K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
+            )  # fmt: skip
+        elif not ctx.use_kernel:
+            for start, end in _torch_blocks(rows, top_k, hidden_size):
+                gathered = weight[ids[start:end]].float()
+                grad_hidden[start:end] = torch.bmm(grad_scores[start:end].unsqueeze(1), gathered).squeeze(1)
+        return grad_hidden, None, None
 
 
-def liger_candidate_scores(
-    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, block_bytes: int = DEFAULT_BLOCK_BYTES
-) -> torch.Tensor:
+def liger_candidate_scores(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """s[..., k] = W[ids[..., k]] . h[...] in fp32.
 
     Args:
         hidden: [..., H] rows (any float dtype).
         weight: [V, H] a frozen head (must not require grad while autograd is on).
         ids: [..., K] long, in [0, V).
-        block_bytes: bound of the gathered fp32 rows held at once.
 
     Returns:
         [..., K] fp32.
@@ -69,7 +149,7 @@ def liger_candidate_scores(
     if torch.is_grad_enabled() and weight.requires_grad:
         raise ValueError("liger-dspine: candidate scores give the head no gradient; freeze it")
     lead = ids.shape[:-1]
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_ids = ids.reshape(-1, ids.shape[-1])
-    scores = LigerCandidateScoresFunction.apply(flat_hidden, weight, flat_ids, int(block_bytes))
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    flat_ids = ids.reshape(-1, ids.shape[-1]).to(torch.int64).contiguous()
+    scores = LigerCandidateScoresFunction.apply(flat_hidden, weight.contiguous(), flat_ids)
     return scores.view(*lead, ids.shape[-1])
