@@ -458,6 +458,13 @@ def plot(rows, out_dir, name) -> None:
         plt.close(fig)
 
 
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("objective", "step", "accuracy", "all"), default="all")
@@ -468,9 +475,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
     parser.add_argument("--budget-s", type=float, default=3600.0)
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--replot", default=None, help="redraw the plots of a CSV this script wrote, and exit")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot, newline="") as handle:
+            rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+        plot(rows, os.path.dirname(os.path.abspath(args.replot)), os.path.splitext(os.path.basename(args.replot))[0])
+        return 0
     if args.tiny:
         os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
         args.hidden, args.vocab, args.layers, args.batch, args.seq, args.anchors = 32, 1000, 2, 2, 48, 4
