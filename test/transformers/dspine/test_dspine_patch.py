@@ -25,6 +25,8 @@ from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
 from liger_dspine.models.dspine import builders
 from liger_dspine.models.dspine.fused_switch import fused_objective_on
+from liger_dspine.models.dspine.injection import AdjacentInjection
+from liger_dspine.models.dspine.liger_injection import LigerAdjacentInjection
 from liger_dspine.models.dspine.objective import BACKBONE_CE
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
@@ -42,6 +44,7 @@ NORM_NAMES = [
 PATCHED_GLOBALS = [
     "liger_dspine.models.dspine.builders.Qwen3RMSNorm",
     "liger_dspine.models.dspine.builders.Qwen3MLP",
+    "liger_dspine.models.dspine.builders.AdjacentInjection",
     "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
 ]
 NATIVE_SWITCH = DSpineObjective.patched_fused_objective
@@ -50,6 +53,7 @@ NATIVE_SWITCH = DSpineObjective.patched_fused_objective
 def assert_native_globals() -> None:
     assert builders.Qwen3RMSNorm is Qwen3RMSNorm
     assert builders.Qwen3MLP is Qwen3MLP
+    assert builders.AdjacentInjection is AdjacentInjection
     assert DSpineObjective.patched_fused_objective is NATIVE_SWITCH
 
 
@@ -98,9 +102,11 @@ def module_kinds(model) -> dict:
     }
 
 
-def assert_kinds(model, norm: type, mlp: type) -> None:
+def assert_kinds(model, norm: type, mlp: type, injection: type | None = None) -> None:
     expected = {name: norm for name in NORM_NAMES} | {f"layers.{i}.mlp": mlp for i in range(N_LAYERS)}
     assert module_kinds(model) == expected
+    if injection is not None:
+        assert type(model.injection) is injection
     # nothing else holds a norm or an MLP of the other kind
     other_norm = Qwen3RMSNorm if norm is LigerRMSNorm else LigerRMSNorm
     other_mlp = Qwen3MLP if mlp is LigerSwiGLUMLP else LigerSwiGLUMLP
@@ -108,11 +114,11 @@ def assert_kinds(model, norm: type, mlp: type) -> None:
 
 
 def assert_native(model) -> None:
-    assert_kinds(model, Qwen3RMSNorm, Qwen3MLP)
+    assert_kinds(model, Qwen3RMSNorm, Qwen3MLP, AdjacentInjection)
 
 
 def assert_liger(model) -> None:
-    assert_kinds(model, LigerRMSNorm, LigerSwiGLUMLP)
+    assert_kinds(model, LigerRMSNorm, LigerSwiGLUMLP, LigerAdjacentInjection)
     for name in NORM_NAMES:
         norm = model.get_submodule(name)
         assert norm.casting_mode == "llama" and not norm.in_place and norm.variance_epsilon == 1e-6, name
@@ -130,6 +136,7 @@ def test_class_level_patch_reaches_models_built_afterwards(class_level, target):
     assert report.scope == "class" and [r.target for r in report] == PATCHED_GLOBALS
     assert not any(r.already for r in report)
     assert builders.Qwen3RMSNorm is LigerRMSNorm and builders.Qwen3MLP is LigerSwiGLUMLP
+    assert builders.AdjacentInjection is LigerAdjacentInjection
     assert DSpineObjective.patched_fused_objective is fused_objective_on
     assert "Qwen3RMSNorm -> liger_dspine.modules.rms_norm.LigerRMSNorm" in str(report)
 
@@ -155,7 +162,7 @@ def test_class_level_patch_reaches_models_built_afterwards(class_level, target):
 )
 def test_class_level_options_choose_the_swaps(class_level, target, options, norm, mlp, fused):
     report = apply_liger_kernel_to_dspine(**options)
-    assert len(report) == 2
+    assert len(report) == 3
     objective = build_objective(target)
     assert_kinds(objective.draft_model, norm, mlp)
     assert objective.fused_objective is fused
@@ -180,7 +187,7 @@ def test_drafter_built_under_the_class_patch_reports_already_patched(class_level
     apply_liger_kernel_to_dspine()
     objective = build_objective(target)
     report = apply_liger_kernel_to_dspine(model=objective)
-    assert [(r.count, r.already) for r in report] == [(10, True), (2, True), (1, True)]
+    assert [(r.count, r.already) for r in report] == [(10, True), (2, True), (1, True), (1, True)]
 
 
 # ------------------------------------------------------------------------------------------------ instance level
@@ -193,7 +200,8 @@ def test_instance_patch_of_a_drafter(target):
     assert [(r.target, r.count, r.already) for r in report] == [
         ("Qwen3RMSNorm modules", 10, False),
         ("Qwen3MLP modules", 2, False),
-    ]  # a drafter holds no frozen-head terms: fused_objective finds nothing to replace
+        ("AdjacentInjection modules", 1, False),
+    ]  # a drafter holds no objective: fused_objective finds nothing to replace
     assert_liger(draft)
     # converted in place: the same parameters, the same values
     assert {name: id(p) for name, p in draft.named_parameters()} == parameters
@@ -205,7 +213,7 @@ def test_instance_patch_of_a_drafter(target):
 def test_instance_patch_of_an_objective(target):
     objective, other = build_objective(target), build_objective(target)
     report = apply_liger_kernel_to_dspine(model=objective)
-    assert report_lines(report)[2] == (
+    assert report_lines(report)[3] == (
         "DSpineObjective.patched_fused_objective of the instance",
         "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
         "liger_dspine.models.dspine.fused_switch.fused_objective_on",
@@ -224,8 +232,8 @@ def test_instance_patch_of_an_objective(target):
 def test_instance_patch_options(target):
     objective = build_objective(target)
     report = apply_liger_kernel_to_dspine(rms_norm=False, fused_objective=False, model=objective)
-    assert [r.target for r in report] == ["Qwen3MLP modules"]
-    assert_kinds(objective.draft_model, Qwen3RMSNorm, LigerSwiGLUMLP)
+    assert [r.target for r in report] == ["Qwen3MLP modules", "AdjacentInjection modules"]
+    assert_kinds(objective.draft_model, Qwen3RMSNorm, LigerSwiGLUMLP, LigerAdjacentInjection)
     assert not objective.fused_objective
 
 
@@ -265,7 +273,7 @@ def test_registry_serves_dspine(class_level, target):
     assert_native_globals()
 
     report = apply_liger_kernel("dspine", fused_objective=False)
-    assert [r.target for r in report] == PATCHED_GLOBALS[:2]
+    assert [r.target for r in report] == PATCHED_GLOBALS[:3]
     assert_liger(build_draft(target))
 
 
@@ -352,7 +360,7 @@ def test_patched_training_matches_native_fp32(target, fused_objective):
     native = build_objective(target)
     patched = copy.deepcopy(native)
     report = apply_liger_kernel_to_dspine(fused_objective=fused_objective, model=patched)
-    assert len(report) == (3 if fused_objective else 2)
+    assert len(report) == (4 if fused_objective else 3)
     assert patched.fused_objective is fused_objective
     batches = make_batches(target, 2)
     compare_fp32(train(native, batches), train(patched, batches))

@@ -8,6 +8,8 @@ def apply_liger_kernel_to_dspine(
     swiglu: bool = True,
     fused_objective: bool = True,
     model=None,
+    *,
+    injection: bool = True,
 ) -> patching.PatchReport:
     """Swap a DSpine drafter's modules (and its objective's frozen-head terms) for Liger kernels.
 
@@ -17,6 +19,8 @@ def apply_liger_kernel_to_dspine(
         fused_objective: objectives built without an explicit ``fused_objective`` compute the backbone CE, the L1
             to the teacher and the top-k candidates through the frozen head with the fused kernel, chunk by chunk
             (no [rows, vocab] logits kept, the input gradient formed in the forward, no head gradient).
+        injection: (keyword-only) the spine's ``AdjacentInjection`` -> ``LigerAdjacentInjection``, whose writes and
+            features keep about three [tokens, hidden] buffers per layer fewer for the backward.
         model: None patches at class level (every drafter built afterwards, every objective); a ``DSpineDraftModel``
             or a ``DSpineObjective`` patches that instance only (an objective includes its drafter).
 
@@ -24,7 +28,7 @@ def apply_liger_kernel_to_dspine(
         A ``PatchReport`` listing what was replaced, old -> new.
     """
     require_supported_versions()
-    options = dict(rms_norm=rms_norm, swiglu=swiglu, fused_objective=fused_objective)
+    options = dict(rms_norm=rms_norm, swiglu=swiglu, fused_objective=fused_objective, injection=injection)
     if model is None:
         return patching.apply_class_level(DSPINE_SPEC, options)
     return patching.apply_to_instance(DSPINE_SPEC, options, model)

@@ -1,16 +1,17 @@
-"""The one place the DSpine drafter gets its RMSNorm and SwiGLU MLP modules from.
+"""The one place the DSpine drafter gets its RMSNorm, SwiGLU MLP and injection modules from.
 
-Native modules are transformers' ``Qwen3RMSNorm`` / ``Qwen3MLP``, looked up through this module's globals
-``Qwen3RMSNorm`` and ``Qwen3MLP`` at build time, so a class-level patch of these two names redirects every model
-built afterwards. ``use_liger=True`` builds this package's ``LigerRMSNorm`` (liger-kernel's kernel, casting mode
-"llama": the same fp32 statistics as ``Qwen3RMSNorm``) and ``LigerSwiGLUMLP``; liger-kernel is imported only then.
-Both kinds own the same parameter names (``weight``; ``gate_proj``/``up_proj``/``down_proj``), so state dicts do not
-depend on the choice.
+Native modules are transformers' ``Qwen3RMSNorm`` / ``Qwen3MLP`` and this package's ``AdjacentInjection``, looked up
+through this module's globals at build time, so a class-level patch of these names redirects every model built
+afterwards. ``use_liger=True`` builds this package's ``LigerRMSNorm`` (liger-kernel's kernel, casting mode "llama":
+the same fp32 statistics as ``Qwen3RMSNorm``), ``LigerSwiGLUMLP`` and ``LigerAdjacentInjection``; liger-kernel is
+imported only then. Both kinds own the same parameter names, so state dicts do not depend on the choice.
 """
 
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from liger_dspine.models.dspine.injection import AdjacentInjection
 
 
 def make_rms_norm(hidden_size: int, eps: float, use_liger: bool = False) -> nn.Module:
@@ -29,3 +30,14 @@ def make_mlp(config, use_liger: bool = False) -> nn.Module:
 
         return LigerSwiGLUMLP(config)
     return Qwen3MLP(config)
+
+
+def make_injection(
+    hidden_size: int, num_layers: int, transfer_rank: int, message_size: int, replacement_layers: int, use_liger=False
+) -> nn.Module:
+    """The spine's adjacent injection (see :class:`AdjacentInjection`)."""
+    if use_liger:
+        from liger_dspine.models.dspine.liger_injection import LigerAdjacentInjection
+
+        return LigerAdjacentInjection(hidden_size, num_layers, transfer_rank, message_size, replacement_layers)
+    return AdjacentInjection(hidden_size, num_layers, transfer_rank, message_size, replacement_layers)

@@ -105,12 +105,13 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = builders.make_rms_norm(hidden, eps, use_liger_kernel)
         options = self.dspine_config
-        self.injection = AdjacentInjection(
+        self.injection = builders.make_injection(
             hidden,
             config.num_hidden_layers,
             options.transfer_rank,
             options.message_size,
             options.replacement_layers,
+            use_liger_kernel,
         )
         for child in self.injection.children():
             for module in child.modules():

@@ -17,6 +17,10 @@ DSPINE_SPEC = PatchSpec(
         # layer norms, q/k norms, hidden_norm and the final norm are all built through builders.Qwen3RMSNorm
         ClassSwap("rms_norm", ("Qwen3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", ("Qwen3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        # the spine's writes and features, keeping no fp32 copy of the states nor the written delta
+        ClassSwap(
+            "injection", ("AdjacentInjection",), "liger_dspine.models.dspine.liger_injection:LigerAdjacentInjection"
+        ),
         # the objective's backbone CE / L1 / top-k through the frozen head, chunked in Triton kernels; an objective
         # built with an explicit fused_objective=True or False keeps its own choice
         MethodSwap(

@@ -1,0 +1,87 @@
+"""The spine's lean write and feature (ops/scaled_write.py) against the torch expressions of AdjacentInjection, and
+gradcheck in fp64. Pure torch: no kernel runs."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_dspine.ops.scaled_write import liger_scaled_write
+from liger_dspine.ops.scaled_write import liger_unit_feature
+
+
+def native_write(states, message, weight):
+    scale = torch.linalg.vector_norm(states.float(), dim=-1, keepdim=True) / math.sqrt(states.shape[-1])
+    return states + scale.to(states.dtype) * F.linear(message, weight)
+
+
+def native_feature(projected, scale):
+    return (scale * F.normalize(projected.float(), dim=-1, eps=1e-12)).to(projected.dtype)
+
+
+def grads(fn, *tensors):
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32).to(out.dtype)
+    (out * upstream).sum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def write_inputs(dtype, zero_row=True):
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 3, 5, 64, generator=generator)
+    if zero_row:
+        states[0, 1, 2] = 0.0  # rms 0: finite, no gradient through the norm
+    message = torch.randn(2, 3, 5, 8, generator=generator)
+    weight = torch.randn(64, 8, generator=generator) * 0.1
+    return states.to(dtype), message.to(dtype), weight.to(dtype)
+
+
+def test_write_matches_the_torch_expression():
+    states, message, weight = write_inputs(torch.float32)
+    out, (d_states, d_message, d_weight) = grads(liger_scaled_write, states, message, weight)
+    ref, (r_states, r_message, r_weight) = grads(native_write, states, message, weight)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    for got, expected in ((d_states, r_states), (d_message, r_message), (d_weight, r_weight)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(d_states).all()
+
+
+def test_write_gradcheck_fp64():
+    states, message, weight = (t.requires_grad_(True) for t in write_inputs(torch.float64, zero_row=False))
+    assert torch.autograd.gradcheck(liger_scaled_write, (states, message, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_matches_the_torch_expression(dtype):
+    generator = torch.Generator().manual_seed(1)
+    projected = torch.randn(4, 7, 32, generator=generator)
+    projected[1, 3] = 0.0  # below eps: a plain scaling, as F.normalize
+    out, (grad,) = grads(lambda p: liger_unit_feature(p, math.sqrt(32)), projected.to(dtype))
+    ref, (ref_grad,) = grads(lambda p: native_feature(p, math.sqrt(32)), projected.to(dtype))
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(out, ref, **tolerance)  # bf16: the same fp32 values rounded once
+    grad_tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), **grad_tolerance)
+
+
+def test_feature_gradcheck_fp64():
+    projected = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda p: liger_unit_feature(p, 4.0), (projected,))
+
+
+def test_write_keeps_no_fp32_copy_nor_delta():
+    """Saved for the backward: the states, the message, the weight and the [.., 1] RMS, nothing of [N, H] else."""
+    states, message, weight = write_inputs(torch.bfloat16)
+    states.requires_grad_(True)
+    weight.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        liger_scaled_write(states, message, weight)
+    big = [t for t in saved if t.numel() >= states.numel()]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16 and big[0].data_ptr() == states.data_ptr()
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        native_write(states, message, weight)
+    assert sum(t.numel() >= states.numel() for t in saved) > 1  # the torch expression keeps more
