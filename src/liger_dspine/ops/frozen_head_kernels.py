@@ -239,6 +239,58 @@ def write_logit_grads(z, y, labels, ce_scale, l1_scale, stats: ChunkStats) -> No
     )
 
 
+class RowResults:
+    """The per-row outputs of a fused frozen-head pass over R rows, filled chunk by chunk.
+
+    ce [R] fp32, correct [R] bool; with a teacher also l1 [R] fp32, candidate_ids [R, K] int64 and
+    candidate_probs [R, K] fp32; with ``keep_stats`` the normalisers and sign masses a recomputing backward needs.
+    """
+
+    def __init__(self, rows: int, top_k: int, has_teacher: bool, keep_stats: bool, device: torch.device):
+        self.ce = torch.empty(rows, dtype=torch.float32, device=device)
+        self.correct = torch.empty(rows, dtype=torch.bool, device=device)
+        self.l1 = self.candidate_ids = self.candidate_probs = None
+        self.draft_lse = self.teacher_lse = self.sign_mass = None
+        if has_teacher:
+            self.l1 = torch.empty_like(self.ce)
+            self.candidate_ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
+            self.candidate_probs = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+        if keep_stats:
+            self.draft_lse = torch.empty_like(self.ce)
+            if has_teacher:
+                self.teacher_lse, self.sign_mass = torch.empty_like(self.ce), torch.empty_like(self.ce)
+        self.top_k = top_k
+
+    def store(self, start: int, end: int, z, y, stats: ChunkStats) -> None:
+        """Write one chunk's results (the top-k reads z: call this before z is overwritten with its gradient)."""
+        self.ce[start:end], self.correct[start:end] = stats.ce, stats.correct
+        if self.draft_lse is not None:
+            self.draft_lse[start:end] = stats.draft_lse
+        if y is None:
+            return
+        self.l1[start:end] = stats.l1
+        if self.teacher_lse is not None:
+            self.teacher_lse[start:end], self.sign_mass[start:end] = stats.teacher_lse, stats.sign_mass
+        ids, probs = chunk_candidates(z, y, stats, self.top_k)
+        self.candidate_ids[start:end], self.candidate_probs[start:end] = ids, probs
+
+    def outputs(self) -> tuple:
+        """(ce, correct) or (ce, correct, l1, candidate_ids, candidate_probs)."""
+        if self.l1 is None:
+            return self.ce, self.correct
+        return self.ce, self.correct, self.l1, self.candidate_ids, self.candidate_probs
+
+
+def chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+    """For each chunk of rows: (start, end, z, y, stats) after the logits GEMM and the stats kernel."""
+    rows = draft_hidden.shape[0]
+    for start in range(0, rows, chunk_rows):
+        end = min(start + chunk_rows, rows)
+        teacher = teacher_hidden[start:end] if teacher_hidden is not None else None
+        z, y = chunk_logits(draft_hidden[start:end], teacher, weight)
+        yield start, end, z, y, chunk_stats(z, y, labels[start:end])
+
+
 def default_chunk_rows(rows: int, hidden_size: int, vocab_size: int) -> int:
     """Rows per chunk such that chunk x V is about R x H (liger-kernel's fused linear cross entropy rule)."""
     growth = triton.cdiv(vocab_size, hidden_size)

@@ -17,10 +17,9 @@ accumulation costs one GEMM and one pass over the logits per chunk.
 import torch
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
-from liger_dspine.ops.frozen_head_kernels import chunk_candidates
-from liger_dspine.ops.frozen_head_kernels import chunk_logits
-from liger_dspine.ops.frozen_head_kernels import chunk_stats
+from liger_dspine.ops.frozen_head_kernels import chunk_passes
 from liger_dspine.ops.frozen_head_kernels import write_logit_grads
 from liger_dspine.ops.frozen_head_results import FrozenHeadLoss
 from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
@@ -59,37 +58,24 @@ class LigerFrozenHeadLossFunction(torch.autograd.Function):
         rows = draft_hidden.shape[0]
         has_teacher = teacher_hidden is not None
         device = draft_hidden.device
-        ce = torch.empty(rows, dtype=torch.float32, device=device)
-        correct = torch.empty(rows, dtype=torch.bool, device=device)
-        l1 = candidate_ids = candidate_probs = None
-        if has_teacher:
-            l1 = torch.empty_like(ce)
-            candidate_ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
-            candidate_probs = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+        results = RowResults(rows, top_k, has_teacher, False, device)
         grad_input = torch.empty(rows, draft_hidden.shape[1], dtype=torch.float32, device=device) if want_grad else None
 
         with torch.autocast(device.type, enabled=False):
             weight = head_weight.to(dtype)
-            for start in range(0, rows, chunk_rows):
-                end = min(start + chunk_rows, rows)
-                teacher = teacher_hidden[start:end] if has_teacher else None
-                z, y = chunk_logits(draft_hidden[start:end], teacher, weight)
-                stats = chunk_stats(z, y, labels[start:end])
-                ce[start:end], correct[start:end] = stats.ce, stats.correct
-                if has_teacher:
-                    l1[start:end] = stats.l1
-                    candidate_ids[start:end], candidate_probs[start:end] = chunk_candidates(z, y, stats, top_k)
+            for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+                results.store(start, end, z, y, stats)
                 if want_grad:
                     chunk_l1_scale = l1_scale[start:end] if has_teacher else None
                     write_logit_grads(z, y, labels[start:end], ce_scale[start:end], chunk_l1_scale, stats)
                     _project_grads(z, weight, grad_input[start:end])
 
-        loss = (ce * ce_scale).sum()
+        loss = (results.ce * ce_scale).sum()
         if has_teacher:
-            loss = loss + (l1 * l1_scale).sum()
+            loss = loss + (results.l1 * l1_scale).sum()
+        outputs = (loss, *results.outputs())
         ctx.save_for_backward(grad_input)
         ctx.input_dtype = draft_hidden.dtype
-        outputs = (loss, ce, correct) + ((l1, candidate_ids, candidate_probs) if has_teacher else ())
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 

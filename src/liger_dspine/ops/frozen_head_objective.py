@@ -28,10 +28,10 @@ import torch
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.frozen_head_kernels import IGNORE_INDEX
+from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
-from liger_dspine.ops.frozen_head_kernels import chunk_candidates
 from liger_dspine.ops.frozen_head_kernels import chunk_logits
-from liger_dspine.ops.frozen_head_kernels import chunk_stats
+from liger_dspine.ops.frozen_head_kernels import chunk_passes
 from liger_dspine.ops.frozen_head_kernels import default_chunk_rows
 from liger_dspine.ops.frozen_head_kernels import write_logit_grads
 from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
@@ -48,43 +48,22 @@ class LigerFrozenHeadTermsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, draft_hidden, head_weight, labels, teacher_hidden, top_k, chunk_rows, dtype):
-        rows = draft_hidden.shape[0]
         has_teacher = teacher_hidden is not None
-        device = draft_hidden.device
-        ce = torch.empty(rows, dtype=torch.float32, device=device)
-        correct = torch.empty(rows, dtype=torch.bool, device=device)
-        draft_lse = torch.empty_like(ce)
-        l1 = teacher_lse = sign_mass = candidate_ids = candidate_probs = None
-        if has_teacher:
-            l1, teacher_lse, sign_mass = torch.empty_like(ce), torch.empty_like(ce), torch.empty_like(ce)
-            candidate_ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
-            candidate_probs = torch.empty(rows, top_k, dtype=torch.float32, device=device)
-
-        with torch.autocast(device.type, enabled=False):
+        results = RowResults(draft_hidden.shape[0], top_k, has_teacher, True, draft_hidden.device)
+        with torch.autocast(draft_hidden.device.type, enabled=False):
             weight = head_weight.to(dtype)
-            for start in range(0, rows, chunk_rows):
-                end = min(start + chunk_rows, rows)
-                teacher = teacher_hidden[start:end] if has_teacher else None
-                z, y = chunk_logits(draft_hidden[start:end], teacher, weight)
-                stats = chunk_stats(z, y, labels[start:end])
-                ce[start:end], correct[start:end], draft_lse[start:end] = stats.ce, stats.correct, stats.draft_lse
-                if has_teacher:
-                    l1[start:end], teacher_lse[start:end], sign_mass[start:end] = (
-                        stats.l1,
-                        stats.teacher_lse,
-                        stats.sign_mass,
-                    )
-                    candidate_ids[start:end], candidate_probs[start:end] = chunk_candidates(z, y, stats, top_k)
+            for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+                results.store(start, end, z, y, stats)
 
         ctx.has_teacher = has_teacher
         ctx.chunk_rows = chunk_rows
         ctx.compute_dtype = dtype
-        ctx.save_for_backward(draft_hidden, head_weight, labels, teacher_hidden, draft_lse, teacher_lse, sign_mass)
-        if not has_teacher:
-            ctx.mark_non_differentiable(correct)
-            return ce, correct
-        ctx.mark_non_differentiable(correct, candidate_ids, candidate_probs)
-        return ce, correct, l1, candidate_ids, candidate_probs
+        ctx.save_for_backward(
+            draft_hidden, head_weight, labels, teacher_hidden, results.draft_lse, results.teacher_lse, results.sign_mass
+        )
+        candidates = (results.candidate_ids, results.candidate_probs) if has_teacher else ()
+        ctx.mark_non_differentiable(results.correct, *candidates)
+        return results.outputs()
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_correct, grad_l1=None, _grad_ids=None, _grad_probs=None):
