@@ -8,9 +8,13 @@ A spec lists swaps. Each swap is enabled by one option of the model's apply func
   rebound; on an instance the function is bound to that instance only.
 
 Replacements are named as ``"package.module:attribute"`` and imported only when a swap is applied, so importing
-``liger_dspine`` imports no Triton kernel. The engine records every original it replaced: applying twice is a
-no-op, and ``revert`` puts back exactly the objects it found (identity, not reload). Parameter and buffer names
-never change, so a patched model's ``state_dict()`` equals the native one key for key.
+``liger_dspine`` imports no Triton kernel. The engine records every original it replaced, and ``revert`` puts back
+exactly the objects it found (identity, not reload). Parameter and buffer names never change, so a patched model's
+``state_dict()`` equals the native one key for key.
+
+Applying again: the latest call describes the model, at class level and on an instance alike. A swap whose option is
+on is applied (or reported as already there); a swap whose option is off is undone where an earlier call of this
+package applied it. After the options are resolved, at most one enabled swap may target a class or a method.
 
 A spec may also list ``ModuleCheck``s: what the modules of a model must hold according to its config (submodules,
 tensor shapes). An instance patch runs them before it swaps anything and refuses a model that fails one.
@@ -74,6 +78,7 @@ class Replacement:
     new: str
     count: int | None = None  # modules converted, for instance patches
     already: bool = False  # found already patched: nothing changed
+    restored: bool = False  # an earlier swap undone because its option is now off (old: the replacement)
 
 
 @dataclass
@@ -90,7 +95,7 @@ class PatchReport:
             lines.append("  nothing replaced")
         for r in self.replacements:
             count = f" x{r.count}" if r.count is not None else ""
-            state = " (already patched)" if r.already else ""
+            state = " (already patched)" if r.already else " (restored: option off)" if r.restored else ""
             lines.append(f"  {r.target}{count}: {r.old} -> {r.new}{state}")
         return "\n".join(lines)
 
@@ -139,6 +144,31 @@ def _enabled_swaps(spec: PatchSpec, options: dict[str, bool]):
             yield swap
 
 
+def _disabled_swaps(spec: PatchSpec, options: dict[str, bool]):
+    enabled = set(map(id, _enabled_swaps(spec, options)))
+    return [swap for swap in spec.swaps if id(swap) not in enabled]
+
+
+def _target_keys(spec: PatchSpec, swap) -> list[tuple[str, str]]:
+    module_name = swap.module or spec.module
+    if isinstance(swap, ClassSwap):
+        return [(module_name, name) for name in swap.names]
+    return [(module_name, f"{swap.owner}.{swap.method}")]
+
+
+def check_single_swap_per_target(spec: PatchSpec, options: dict[str, bool]) -> None:
+    """At most one enabled swap per class or method; a ValueError naming the options otherwise."""
+    seen: dict[tuple[str, str], str] = {}
+    for swap in _enabled_swaps(spec, options):
+        for key in _target_keys(spec, swap):
+            if key in seen and seen[key] != swap.option:
+                raise ValueError(
+                    f"liger-dspine: options {seen[key]!r} and {swap.option!r} of the {spec.model_type} patch both "
+                    f"replace {key[0]}.{key[1]}; enable one of them"
+                )
+            seen[key] = swap.option
+
+
 def _resolve_class_global(spec: PatchSpec, swap: ClassSwap):
     """The module and the first of ``swap.names`` it defines, or (module, None)."""
     module = importlib.import_module(swap.module or spec.module)
@@ -165,7 +195,10 @@ def _original(module, name: str):
 
 
 def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
+    check_single_swap_per_target(spec, options)
     report = PatchReport(spec.model_type, "class")
+    for swap in _disabled_swaps(spec, options):
+        _undo_class_swap(spec, swap, report)
     for swap in _enabled_swaps(spec, options):
         new = load_object(swap.replacement)
         if isinstance(swap, ClassSwap):
@@ -193,6 +226,26 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
         setattr(holder, attribute, new)
         report.replacements.append(Replacement(target, qualified_name(current), qualified_name(new)))
     return report
+
+
+def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
+    """Put back the original of a swap whose option is off, where the global still holds its replacement."""
+    for module_name, name in _target_keys(spec, swap):
+        key = (module_name, name)
+        if key not in _ORIGINALS:
+            continue
+        module = importlib.import_module(module_name)
+        holder, attribute = (
+            (module, name) if isinstance(swap, ClassSwap) else (getattr(module, swap.owner), swap.method)
+        )
+        new = load_object(swap.replacement)
+        if vars(holder).get(attribute) is not new:
+            continue  # another swap of the same target holds it now
+        original = _ORIGINALS.pop(key)
+        setattr(holder, attribute, original)
+        report.replacements.append(
+            Replacement(f"{module_name}.{name}", qualified_name(new), qualified_name(original), restored=True)
+        )
 
 
 def revert_class_level(spec: PatchSpec) -> list[str]:
@@ -226,8 +279,11 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             f"liger-dspine: the {spec.model_type} patch needs a {expected} (or a subclass) as `model`, "
             f"got {type(model).__name__}"
         )
+    check_single_swap_per_target(spec, options)
     check_modules(spec, model)
     report = PatchReport(spec.model_type, "instance")
+    for swap in _disabled_swaps(spec, options):
+        _undo_instance_swap(spec, swap, model, report)
     for swap in _enabled_swaps(spec, options):
         new = load_object(swap.replacement)
         if isinstance(swap, ClassSwap):
@@ -253,10 +309,7 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                 continue
             converted = already = 0
             for instance in (m for m in model.modules() if isinstance(m, owner)):
-                bound = vars(instance).get(swap.method)
-                if getattr(type(instance), swap.method) is new or (
-                    isinstance(bound, MethodType) and bound.__func__ is new
-                ):
+                if _effective_method(instance, swap.method) is new:
                     already += 1
                     continue
                 setattr(instance, swap.method, MethodType(new, instance))
@@ -264,6 +317,72 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             target = f"{swap.owner}.{swap.method} of the instance"
             _record_conversions(report, target, vars(owner)[swap.method], new, converted, already)
     return report
+
+
+def _effective_method(instance, method: str):
+    """The function ``instance.method`` calls: its own bound one, else its class's."""
+    bound = vars(instance).get(method)
+    if isinstance(bound, MethodType):
+        return bound.__func__
+    return getattr(type(instance), method)
+
+
+def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchReport) -> None:
+    """Turn back what an earlier call applied to ``model`` for a swap whose option is now off."""
+    new = load_object(swap.replacement)
+    if isinstance(swap, ClassSwap):
+        old = native_class(spec, swap)
+        if old is None:
+            return
+        if not isinstance(old, type):
+            restored = 0
+            for module in model.modules():
+                for name, value in list(vars(module).items()):
+                    if value is new:
+                        setattr(module, name, old)
+                        restored += 1
+            _record_restored(report, f"{old.__name__} references", new, old, restored)
+            return
+        restored = 0
+        for path, module in model.named_modules():
+            if type(module) is not new:
+                continue
+            if module.__dict__.get(_CONVERTED_FROM) is not old:
+                raise ValueError(
+                    f"liger-dspine: {path or type(model).__name__} was built as {new.__name__} (under a class-level "
+                    f"patch), so it cannot be turned back into {old.__name__} with {swap.option}=False; revert the "
+                    "class-level patch and build the model again"
+                )
+            del module.__dict__[_CONVERTED_FROM]
+            module.__class__ = old
+            restored += 1
+        _record_restored(report, f"{new.__name__} modules", new, old, restored)
+        return
+    owner = getattr(importlib.import_module(swap.module or spec.module), swap.owner)
+    if swap.method not in vars(owner):
+        return  # this version has no such method: nothing was applied
+    restored = 0
+    for instance in (m for m in model.modules() if isinstance(m, owner)):
+        if _effective_method(instance, swap.method) is not new:
+            continue
+        vars(instance).pop(swap.method, None)
+        if getattr(type(instance), swap.method) is new:  # patched at class level: this instance takes the original
+            original = _ORIGINALS[((swap.module or spec.module), f"{swap.owner}.{swap.method}")]
+            setattr(instance, swap.method, MethodType(original, instance))
+        restored += 1
+    _record_restored(report, f"{swap.owner}.{swap.method} of the instance", new, vars(owner)[swap.method], restored)
+
+
+def _record_restored(report: PatchReport, target: str, new, old, restored: int) -> None:
+    if restored:
+        report.replacements.append(
+            Replacement(target, qualified_name(new), qualified_name(old), restored, restored=True)
+        )
+
+
+def revert_instance(spec: PatchSpec, model: nn.Module) -> PatchReport:
+    """Turn every swap of ``spec`` back on ``model`` (the native classes and methods); a report of what changed."""
+    return apply_to_instance(spec, {swap.option: False for swap in spec.swaps}, model)
 
 
 def check_modules(spec: PatchSpec, model: nn.Module) -> None:
@@ -296,9 +415,18 @@ def check_modules(spec: PatchSpec, model: nn.Module) -> None:
         )
 
 
+_CONVERTED_FROM = "_liger_dspine_native_class"  # instance attribute: the native class a module was converted from
+
+
 def _convert(module: nn.Module, new: type) -> None:
     """Turn a native module into ``new`` in place: its ``convert`` sets any state it adds; a subclass of the
-    native class that adds none only needs its class switched."""
+    native class that adds none only needs its class switched. The native class is noted for an undo."""
+    native = type(module)
+    _convert_class(module, new)
+    module.__dict__[_CONVERTED_FROM] = native
+
+
+def _convert_class(module: nn.Module, new: type) -> None:
     convert = getattr(new, "convert", None)
     if convert is not None:
         convert(module)

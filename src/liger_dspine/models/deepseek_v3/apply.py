@@ -83,6 +83,13 @@ def apply_liger_kernel_to_deepseek_v3(
     return patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
 
 
-def revert_liger_kernel_to_deepseek_v3() -> list[str]:
-    """Restore every class and function a class-level apply replaced (the same objects); returns their names."""
-    return patching.revert_class_level(DEEPSEEK_V3_SPEC)
+def revert_liger_kernel_to_deepseek_v3(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_deepseek_v3``.
+
+    ``model=None`` restores every module global and method a class-level call replaced (identity, not reload);
+    a model turns that instance's converted modules and bound methods back into the native ones. Returns what was
+    restored. Modules built under a class-level patch are not converted ones: revert the class level and rebuild.
+    """
+    if model is None:
+        return patching.revert_class_level(DEEPSEEK_V3_SPEC)
+    return [r.target for r in patching.revert_instance(DEEPSEEK_V3_SPEC, model)]

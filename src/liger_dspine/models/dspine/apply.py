@@ -34,6 +34,13 @@ def apply_liger_kernel_to_dspine(
     return patching.apply_to_instance(DSPINE_SPEC, options, model)
 
 
-def revert_liger_kernel_to_dspine() -> list[str]:
-    """Restore every object a class-level ``apply_liger_kernel_to_dspine`` replaced; returns their names."""
-    return patching.revert_class_level(DSPINE_SPEC)
+def revert_liger_kernel_to_dspine(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_dspine``.
+
+    ``model=None`` restores every module global and method a class-level call replaced (identity, not reload);
+    a model turns that instance's converted modules and bound methods back into the native ones. Returns what was
+    restored. Modules built under a class-level patch are not converted ones: revert the class level and rebuild.
+    """
+    if model is None:
+        return patching.revert_class_level(DSPINE_SPEC)
+    return [r.target for r in patching.revert_instance(DSPINE_SPEC, model)]
