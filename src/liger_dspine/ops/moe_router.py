@@ -10,9 +10,24 @@ Selection, per token row of ``router_logits [T, E]`` (fp32):
     keep the ``topk_group`` best groups; take the ``top_k`` best ``choice`` among their experts
     weights = scores at those experts [/ (sum + 1e-20) when ``norm_topk_prob``] * routed_scaling_factor
 
-Order of the ``top_k`` entries of a row: by ``choice`` (biased score), largest first; equal scores by the lower
-expert index. transformers' ``topk(sorted=False)`` order is unspecified; consumers combine experts by weight, so
-only the set matters.
+Any expert count, ``n_group`` dividing it into groups of at least 2, ``1 <= topk_group <= n_group`` and
+``1 <= top_k <= topk_group * group size`` (others are refused; transformers fails on them or picks masked experts).
+Group and slot axes are padded to powers of two inside the kernel; padding slots never alias a real expert.
+
+Ties. The ``top_k`` entries of a row are ordered by ``choice`` (biased score), largest first. On an exact tie, of
+group scores or of ``choice``, the lower group or expert index is taken first. transformers' ``topk(sorted=False)``
+leaves both the order and the tie winner unspecified (on a CPU it takes the higher index), so on exact ties the
+chosen experts may differ from native ones; their weights differ only when the tied experts' scores differ
+(equal ``choice`` through different biases). Consumers combine experts by weight, so the order does not matter.
+
+NaN. A NaN ``choice`` ranks above every number, as in ``torch.topk``: a group holding one is kept first and its NaN
+experts are chosen first (lower index first). So a row holding a NaN gives NaN weights, all of them with
+``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices equal native ones as long
+as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's pick among NaNs is
+unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
+``norm_topk_prob``); at a NaN logit left unchosen it is 0 where transformers' is NaN (0 times the sigmoid's NaN
+derivative). The hidden states' gradient of such a row is NaN in both, and so is every row of the router weight's
+gradient when the NaN comes from the hidden states.
 
 The bias gets no gradient and the indices are not differentiable, as in transformers.
 """
@@ -53,42 +68,50 @@ def _moe_router_forward_kernel(
     rows = rows.to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     slots = tl.arange(0, BLOCK_S)
-    # Experts laid out as [group, slot in group]: expert id = group * GROUP_SIZE + slot.
-    expert = groups[:, None] * GROUP_SIZE + slots[None, :]
+    # Experts laid out as [group, slot in group]: expert id = group * GROUP_SIZE + slot. Padding slots (a group
+    # size or group count that is not a power of two) get id -1, so that none aliases the next group's experts.
     expert_ok = (groups[:, None] < NUM_GROUPS) & (slots[None, :] < GROUP_SIZE)
+    expert = tl.where(expert_ok, groups[:, None] * GROUP_SIZE + slots[None, :], -1)
 
     offsets = rows[:, None, None] * NUM_EXPERTS + expert[None, :, :]
     load_mask = row_ok[:, None, None] & expert_ok[None, :, :]
     logits = tl.load(logits_ptr + offsets, mask=load_mask, other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-logits))  # [BLOCK_T, BLOCK_G, BLOCK_S]
+    scores = tl.where(expert_ok[None, :, :], scores, 0.0)
     bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-    choice = tl.where(expert_ok[None, :, :], scores + bias[None, :, :], float("-inf"))
+    choice = scores + bias[None, :, :]
+    # NaN ranks above every number, as in torch.topk; the comparisons below then never meet a NaN.
+    choice = tl.where(choice != choice, float("inf"), choice)
+    choice = tl.where(expert_ok[None, :, :], choice, float("-inf"))  # padding never counts in a group score
 
     # Group score: the largest plus the second largest (one occurrence of the largest removed, so ties count twice).
     first = tl.max(choice, axis=2)
     first_slot = tl.min(tl.where(choice == first[:, :, None], slots[None, None, :], BLOCK_S), axis=2)
     second = tl.max(tl.where(slots[None, None, :] == first_slot[:, :, None], float("-inf"), choice), axis=2)
-    group_score = first + second  # [BLOCK_T, BLOCK_G]; padded groups are -inf
+    group_score = first + second  # [BLOCK_T, BLOCK_G]
+    group_score = tl.where(group_score != group_score, float("inf"), group_score)  # +inf + -inf (a -inf bias)
 
-    kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+    # Each pass takes the best group still free, the lower index on ties; a -inf score is taken like any other.
+    group_free = tl.broadcast_to((groups < NUM_GROUPS)[None, :], (BLOCK_T, BLOCK_G))
     for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_score, axis=1)
-        best_group = tl.min(tl.where(group_score == best[:, None], groups[None, :], BLOCK_G), axis=1)
-        hit = groups[None, :] == best_group[:, None]
-        kept = tl.where(hit, 1, kept)
-        group_score = tl.where(hit, float("-inf"), group_score)
-    choice = tl.where(kept[:, :, None] != 0, choice, float("-inf"))
+        best = tl.max(tl.where(group_free, group_score, float("-inf")), axis=1)
+        at_best = group_free & (group_score == best[:, None])
+        best_group = tl.min(tl.where(at_best, groups[None, :], BLOCK_G), axis=1)
+        group_free = group_free & (groups[None, :] != best_group[:, None])
+    kept = (groups < NUM_GROUPS)[None, :] & ~group_free  # [BLOCK_T, BLOCK_G]
 
+    # Then the top_k best experts of the kept groups, one at a time, the lower index on ties.
+    free = kept[:, :, None] & expert_ok[None, :, :]
     k_cols = tl.arange(0, BLOCK_K)
     topk_scores = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     topk_indices = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(tl.max(choice, axis=2), axis=1)
-        at_best = choice == best[:, None, None]
-        best_expert = tl.min(tl.min(tl.where(at_best, expert[None, :, :], BLOCK_G * BLOCK_S), axis=2), axis=1)
+        best = tl.max(tl.max(tl.where(free, choice, float("-inf")), axis=2), axis=1)
+        at_best = free & (choice == best[:, None, None])
+        best_expert = tl.min(tl.min(tl.where(at_best, expert[None, :, :], NUM_EXPERTS), axis=2), axis=1)
         hit = expert[None, :, :] == best_expert[:, None, None]
         score = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
-        choice = tl.where(hit, float("-inf"), choice)
+        free = free & ~hit
         topk_scores = tl.where(k_cols[None, :] == k, score[:, None], topk_scores)
         topk_indices = tl.where(k_cols[None, :] == k, best_expert[:, None], topk_indices)
 
