@@ -25,9 +25,11 @@ experts are chosen first (lower index first). So a row holding a NaN gives NaN w
 ``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices equal native ones as long
 as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's pick among NaNs is
 unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
-``norm_topk_prob``); at a NaN logit left unchosen it is 0 where transformers' is NaN (0 times the sigmoid's NaN
-derivative). The hidden states' gradient of such a row is NaN in both, and so is every row of the router weight's
-gradient when the NaN comes from the hidden states.
+``norm_topk_prob``), as natively. Natively it is NaN at every NaN logit too (0 times the sigmoid's NaN derivative);
+the kernel keeps a NaN count per row, not their places, so a row with NaN logits left unchosen gets a NaN gradient
+over the whole row: exactly native's for a NaN token (every logit NaN), and NaN wherever native's is otherwise.
+The hidden states' and router weight's gradients then equal native ones, NaN included, for NaN tokens; a NaN never
+turns into a finite number.
 
 The bias gets no gradient and the indices are not differentiable, as in transformers.
 """
@@ -50,6 +52,7 @@ def _moe_router_forward_kernel(
     weights_ptr,  # [T, K] fp32 out
     indices_ptr,  # [T, K] int64 out
     topk_scores_ptr,  # [T, K] fp32 out: sigmoid scores of the chosen experts, kept for the backward
+    nan_counts_ptr,  # [T] int32 out: NaN logits of each row, kept for the backward
     num_tokens,
     scaling,
     NUM_EXPERTS: tl.constexpr,
@@ -126,6 +129,8 @@ def _moe_router_forward_kernel(
     tl.store(weights_ptr + out_offsets, weights, mask=out_mask)
     tl.store(indices_ptr + out_offsets, topk_indices.to(tl.int64), mask=out_mask)
     tl.store(topk_scores_ptr + out_offsets, topk_scores, mask=out_mask)
+    nan_counts = tl.sum(tl.sum((logits != logits).to(tl.int32), axis=2), axis=1)
+    tl.store(nan_counts_ptr + rows, nan_counts, mask=row_ok)
 
 
 @triton.jit
@@ -133,6 +138,7 @@ def _moe_router_backward_kernel(
     grad_weights_ptr,  # [T, K] fp32
     topk_scores_ptr,  # [T, K] fp32
     indices_ptr,  # [T, K] int64
+    nan_counts_ptr,  # [T] int32
     grad_logits_ptr,  # [T, E] fp32 out, written densely (zeros off the chosen experts)
     num_tokens,
     scaling,
@@ -169,6 +175,11 @@ def _moe_router_backward_kernel(
         expert_k = tl.sum(tl.where(column, indices, 0), axis=1)
         grad_k = tl.sum(tl.where(column, grad_chosen, 0.0), axis=1)
         grad_logits = tl.where(experts[None, :] == expert_k[:, None], grad_k[:, None], grad_logits)
+    # A row with NaN logits left unchosen: native's gradient is NaN there (0 times the sigmoid's NaN derivative).
+    # Their places are not kept, so the whole row is NaN: native's exactly when every logit is NaN (a NaN token).
+    chosen_nan = tl.sum((scores != scores).to(tl.int32), axis=1)
+    nan_counts = tl.load(nan_counts_ptr + rows, mask=row_ok, other=0)
+    grad_logits = tl.where((nan_counts > chosen_nan)[:, None], float("nan"), grad_logits)
 
     out_offsets = rows[:, None] * NUM_EXPERTS + experts[None, :]
     out_mask = row_ok[:, None] & (experts[None, :] < NUM_EXPERTS)
@@ -207,8 +218,9 @@ def moe_router_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped top-k selection. ``router_logits [T, E]`` fp32, ``bias [E]``.
 
-    Returns ``topk_weights [T, K]`` fp32, ``topk_indices [T, K]`` int64 and ``topk_scores [T, K]`` fp32 (the
-    sigmoid scores of the chosen experts, before renormalisation and scaling).
+    Returns ``topk_weights [T, K]`` fp32, ``topk_indices [T, K]`` int64, ``topk_scores [T, K]`` fp32 (the
+    sigmoid scores of the chosen experts, before renormalisation and scaling) and ``nan_counts [T]`` int32 (the
+    NaN logits of each row); the last two are what the backward needs.
     """
     if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
         raise ValueError(
@@ -228,8 +240,9 @@ def moe_router_forward(
     weights = router_logits.new_empty(num_tokens, top_k)
     indices = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     topk_scores = router_logits.new_empty(num_tokens, top_k)
+    nan_counts = torch.empty(num_tokens, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
-        return weights, indices, topk_scores
+        return weights, indices, topk_scores, nan_counts
 
     group_size = num_experts // n_group
     block_g = triton.next_power_of_2(n_group)
@@ -241,6 +254,7 @@ def moe_router_forward(
         weights,
         indices,
         topk_scores,
+        nan_counts,
         num_tokens,
         float(routed_scaling_factor),
         NUM_EXPERTS=num_experts,
@@ -255,13 +269,14 @@ def moe_router_forward(
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
     )
-    return weights, indices, topk_scores
+    return weights, indices, topk_scores, nan_counts
 
 
 def moe_router_backward(
     grad_weights: torch.Tensor,
     topk_scores: torch.Tensor,
     topk_indices: torch.Tensor,
+    nan_counts: torch.Tensor,
     num_experts: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
@@ -279,6 +294,7 @@ def moe_router_backward(
         grad_weights,
         topk_scores,
         topk_indices,
+        nan_counts,
         grad_logits,
         num_tokens,
         float(routed_scaling_factor),
@@ -298,10 +314,10 @@ class LigerMoeRouterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
-        weights, indices, topk_scores = moe_router_forward(
+        weights, indices, topk_scores, nan_counts = moe_router_forward(
             router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
         )
-        ctx.save_for_backward(topk_scores, indices)
+        ctx.save_for_backward(topk_scores, indices, nan_counts)
         ctx.num_experts = router_logits.shape[1]
         ctx.norm_topk_prob = norm_topk_prob
         ctx.routed_scaling_factor = routed_scaling_factor
@@ -310,11 +326,17 @@ class LigerMoeRouterFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights, _grad_indices):
-        topk_scores, indices = ctx.saved_tensors
+        topk_scores, indices, nan_counts = ctx.saved_tensors
         grad_logits = None
         if ctx.needs_input_grad[0] and grad_weights is not None:
             grad_logits = moe_router_backward(
-                grad_weights, topk_scores, indices, ctx.num_experts, ctx.norm_topk_prob, ctx.routed_scaling_factor
+                grad_weights,
+                topk_scores,
+                indices,
+                nan_counts,
+                ctx.num_experts,
+                ctx.norm_topk_prob,
+                ctx.routed_scaling_factor,
             )
         return grad_logits, None, None, None, None, None, None
 
