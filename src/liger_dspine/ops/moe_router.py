@@ -10,9 +10,26 @@ Selection, per token row of ``router_logits [T, E]`` (fp32):
     keep the ``topk_group`` best groups; take the ``top_k`` best ``choice`` among their experts
     weights = scores at those experts [/ (sum + 1e-20) when ``norm_topk_prob``] * routed_scaling_factor
 
-Order of the ``top_k`` entries of a row: by ``choice`` (biased score), largest first; equal scores by the lower
-expert index. transformers' ``topk(sorted=False)`` order is unspecified; consumers combine experts by weight, so
-only the set matters.
+Any expert count, ``n_group`` dividing it into groups of at least 2, ``1 <= topk_group <= n_group`` and
+``1 <= top_k <= topk_group * group size`` (others are refused; transformers fails on them or picks masked experts).
+Group and slot axes are padded to powers of two inside the kernel; padding slots never alias a real expert.
+
+Ties. The ``top_k`` entries of a row are ordered by ``choice`` (biased score), largest first. On an exact tie, of
+group scores or of ``choice``, the lower group or expert index is taken first. transformers' ``topk(sorted=False)``
+leaves both the order and the tie winner unspecified (on a CPU it takes the higher index), so on exact ties the
+chosen experts may differ from native ones; their weights differ only when the tied experts' scores differ
+(equal ``choice`` through different biases). Consumers combine experts by weight, so the order does not matter.
+
+NaN. A NaN ``choice`` ranks above every number, as in ``torch.topk``: a group holding one is kept first and its NaN
+experts are chosen first (lower index first). So a row holding a NaN gives NaN weights, all of them with
+``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices equal native ones as long
+as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's pick among NaNs is
+unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
+``norm_topk_prob``), as natively. Natively it is NaN at every NaN logit too (0 times the sigmoid's NaN derivative);
+the kernel keeps a NaN count per row, not their places, so a row with NaN logits left unchosen gets a NaN gradient
+over the whole row: exactly native's for a NaN token (every logit NaN), and NaN wherever native's is otherwise.
+The hidden states' and router weight's gradients then equal native ones, NaN included, for NaN tokens; a NaN never
+turns into a finite number.
 
 The bias gets no gradient and the indices are not differentiable, as in transformers.
 """
@@ -35,6 +52,7 @@ def _moe_router_forward_kernel(
     weights_ptr,  # [T, K] fp32 out
     indices_ptr,  # [T, K] int64 out
     topk_scores_ptr,  # [T, K] fp32 out: sigmoid scores of the chosen experts, kept for the backward
+    nan_counts_ptr,  # [T] int32 out: NaN logits of each row, kept for the backward
     num_tokens,
     scaling,
     NUM_EXPERTS: tl.constexpr,
@@ -53,42 +71,50 @@ def _moe_router_forward_kernel(
     rows = rows.to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     slots = tl.arange(0, BLOCK_S)
-    # Experts laid out as [group, slot in group]: expert id = group * GROUP_SIZE + slot.
-    expert = groups[:, None] * GROUP_SIZE + slots[None, :]
+    # Experts laid out as [group, slot in group]: expert id = group * GROUP_SIZE + slot. Padding slots (a group
+    # size or group count that is not a power of two) get id -1, so that none aliases the next group's experts.
     expert_ok = (groups[:, None] < NUM_GROUPS) & (slots[None, :] < GROUP_SIZE)
+    expert = tl.where(expert_ok, groups[:, None] * GROUP_SIZE + slots[None, :], -1)
 
     offsets = rows[:, None, None] * NUM_EXPERTS + expert[None, :, :]
     load_mask = row_ok[:, None, None] & expert_ok[None, :, :]
     logits = tl.load(logits_ptr + offsets, mask=load_mask, other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-logits))  # [BLOCK_T, BLOCK_G, BLOCK_S]
+    scores = tl.where(expert_ok[None, :, :], scores, 0.0)
     bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-    choice = tl.where(expert_ok[None, :, :], scores + bias[None, :, :], float("-inf"))
+    choice = scores + bias[None, :, :]
+    # NaN ranks above every number, as in torch.topk; the comparisons below then never meet a NaN.
+    choice = tl.where(choice != choice, float("inf"), choice)
+    choice = tl.where(expert_ok[None, :, :], choice, float("-inf"))  # padding never counts in a group score
 
     # Group score: the largest plus the second largest (one occurrence of the largest removed, so ties count twice).
     first = tl.max(choice, axis=2)
     first_slot = tl.min(tl.where(choice == first[:, :, None], slots[None, None, :], BLOCK_S), axis=2)
     second = tl.max(tl.where(slots[None, None, :] == first_slot[:, :, None], float("-inf"), choice), axis=2)
-    group_score = first + second  # [BLOCK_T, BLOCK_G]; padded groups are -inf
+    group_score = first + second  # [BLOCK_T, BLOCK_G]
+    group_score = tl.where(group_score != group_score, float("inf"), group_score)  # +inf + -inf (a -inf bias)
 
-    kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+    # Each pass takes the best group still free, the lower index on ties; a -inf score is taken like any other.
+    group_free = tl.broadcast_to((groups < NUM_GROUPS)[None, :], (BLOCK_T, BLOCK_G))
     for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_score, axis=1)
-        best_group = tl.min(tl.where(group_score == best[:, None], groups[None, :], BLOCK_G), axis=1)
-        hit = groups[None, :] == best_group[:, None]
-        kept = tl.where(hit, 1, kept)
-        group_score = tl.where(hit, float("-inf"), group_score)
-    choice = tl.where(kept[:, :, None] != 0, choice, float("-inf"))
+        best = tl.max(tl.where(group_free, group_score, float("-inf")), axis=1)
+        at_best = group_free & (group_score == best[:, None])
+        best_group = tl.min(tl.where(at_best, groups[None, :], BLOCK_G), axis=1)
+        group_free = group_free & (groups[None, :] != best_group[:, None])
+    kept = (groups < NUM_GROUPS)[None, :] & ~group_free  # [BLOCK_T, BLOCK_G]
 
+    # Then the top_k best experts of the kept groups, one at a time, the lower index on ties.
+    free = kept[:, :, None] & expert_ok[None, :, :]
     k_cols = tl.arange(0, BLOCK_K)
     topk_scores = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     topk_indices = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(tl.max(choice, axis=2), axis=1)
-        at_best = choice == best[:, None, None]
-        best_expert = tl.min(tl.min(tl.where(at_best, expert[None, :, :], BLOCK_G * BLOCK_S), axis=2), axis=1)
+        best = tl.max(tl.max(tl.where(free, choice, float("-inf")), axis=2), axis=1)
+        at_best = free & (choice == best[:, None, None])
+        best_expert = tl.min(tl.min(tl.where(at_best, expert[None, :, :], NUM_EXPERTS), axis=2), axis=1)
         hit = expert[None, :, :] == best_expert[:, None, None]
         score = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
-        choice = tl.where(hit, float("-inf"), choice)
+        free = free & ~hit
         topk_scores = tl.where(k_cols[None, :] == k, score[:, None], topk_scores)
         topk_indices = tl.where(k_cols[None, :] == k, best_expert[:, None], topk_indices)
 
@@ -103,6 +129,8 @@ def _moe_router_forward_kernel(
     tl.store(weights_ptr + out_offsets, weights, mask=out_mask)
     tl.store(indices_ptr + out_offsets, topk_indices.to(tl.int64), mask=out_mask)
     tl.store(topk_scores_ptr + out_offsets, topk_scores, mask=out_mask)
+    nan_counts = tl.sum(tl.sum((logits != logits).to(tl.int32), axis=2), axis=1)
+    tl.store(nan_counts_ptr + rows, nan_counts, mask=row_ok)
 
 
 @triton.jit
@@ -110,6 +138,7 @@ def _moe_router_backward_kernel(
     grad_weights_ptr,  # [T, K] fp32
     topk_scores_ptr,  # [T, K] fp32
     indices_ptr,  # [T, K] int64
+    nan_counts_ptr,  # [T] int32
     grad_logits_ptr,  # [T, E] fp32 out, written densely (zeros off the chosen experts)
     num_tokens,
     scaling,
@@ -146,6 +175,11 @@ def _moe_router_backward_kernel(
         expert_k = tl.sum(tl.where(column, indices, 0), axis=1)
         grad_k = tl.sum(tl.where(column, grad_chosen, 0.0), axis=1)
         grad_logits = tl.where(experts[None, :] == expert_k[:, None], grad_k[:, None], grad_logits)
+    # A row with NaN logits left unchosen: native's gradient is NaN there (0 times the sigmoid's NaN derivative).
+    # Their places are not kept, so the whole row is NaN: native's exactly when every logit is NaN (a NaN token).
+    chosen_nan = tl.sum((scores != scores).to(tl.int32), axis=1)
+    nan_counts = tl.load(nan_counts_ptr + rows, mask=row_ok, other=0)
+    grad_logits = tl.where((nan_counts > chosen_nan)[:, None], float("nan"), grad_logits)
 
     out_offsets = rows[:, None] * NUM_EXPERTS + experts[None, :]
     out_mask = row_ok[:, None] & (experts[None, :] < NUM_EXPERTS)
@@ -184,8 +218,9 @@ def moe_router_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped top-k selection. ``router_logits [T, E]`` fp32, ``bias [E]``.
 
-    Returns ``topk_weights [T, K]`` fp32, ``topk_indices [T, K]`` int64 and ``topk_scores [T, K]`` fp32 (the
-    sigmoid scores of the chosen experts, before renormalisation and scaling).
+    Returns ``topk_weights [T, K]`` fp32, ``topk_indices [T, K]`` int64, ``topk_scores [T, K]`` fp32 (the
+    sigmoid scores of the chosen experts, before renormalisation and scaling) and ``nan_counts [T]`` int32 (the
+    NaN logits of each row); the last two are what the backward needs.
     """
     if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
         raise ValueError(
@@ -205,8 +240,9 @@ def moe_router_forward(
     weights = router_logits.new_empty(num_tokens, top_k)
     indices = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     topk_scores = router_logits.new_empty(num_tokens, top_k)
+    nan_counts = torch.empty(num_tokens, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
-        return weights, indices, topk_scores
+        return weights, indices, topk_scores, nan_counts
 
     group_size = num_experts // n_group
     block_g = triton.next_power_of_2(n_group)
@@ -218,6 +254,7 @@ def moe_router_forward(
         weights,
         indices,
         topk_scores,
+        nan_counts,
         num_tokens,
         float(routed_scaling_factor),
         NUM_EXPERTS=num_experts,
@@ -232,13 +269,14 @@ def moe_router_forward(
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
     )
-    return weights, indices, topk_scores
+    return weights, indices, topk_scores, nan_counts
 
 
 def moe_router_backward(
     grad_weights: torch.Tensor,
     topk_scores: torch.Tensor,
     topk_indices: torch.Tensor,
+    nan_counts: torch.Tensor,
     num_experts: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
@@ -256,6 +294,7 @@ def moe_router_backward(
         grad_weights,
         topk_scores,
         topk_indices,
+        nan_counts,
         grad_logits,
         num_tokens,
         float(routed_scaling_factor),
@@ -275,10 +314,10 @@ class LigerMoeRouterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
-        weights, indices, topk_scores = moe_router_forward(
+        weights, indices, topk_scores, nan_counts = moe_router_forward(
             router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
         )
-        ctx.save_for_backward(topk_scores, indices)
+        ctx.save_for_backward(topk_scores, indices, nan_counts)
         ctx.num_experts = router_logits.shape[1]
         ctx.norm_topk_prob = norm_topk_prob
         ctx.routed_scaling_factor = routed_scaling_factor
@@ -287,11 +326,17 @@ class LigerMoeRouterFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights, _grad_indices):
-        topk_scores, indices = ctx.saved_tensors
+        topk_scores, indices, nan_counts = ctx.saved_tensors
         grad_logits = None
         if ctx.needs_input_grad[0] and grad_weights is not None:
             grad_logits = moe_router_backward(
-                grad_weights, topk_scores, indices, ctx.num_experts, ctx.norm_topk_prob, ctx.routed_scaling_factor
+                grad_weights,
+                topk_scores,
+                indices,
+                nan_counts,
+                ctx.num_experts,
+                ctx.norm_topk_prob,
+                ctx.routed_scaling_factor,
             )
         return grad_logits, None, None, None, None, None, None
 
