@@ -165,7 +165,7 @@ class DSpineDraftConfig(Qwen3Config):
         if self.is_causal is False:
             raise ValueError("DSpine requires causal attention; is_causal=false is not supported")
         if self.use_sliding_window:
-            raise ValueError("DSpine use_sliding_window=true is not supported: the drafter has no sliding-window layers")
+            raise ValueError("DSpine use_sliding_window=true is not supported: the drafter has no sliding layers")
         super().__post_init__(**kwargs)
         self._resolve_dflash_fields()
         self._check_attention_mode()
