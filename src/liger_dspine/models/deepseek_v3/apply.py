@@ -3,6 +3,7 @@ import os
 import sys
 
 from liger_dspine import patching
+from liger_dspine import pickling
 from liger_dspine._versions import require_supported_versions
 from liger_dspine.models.deepseek_v3.spec import DEEPSEEK_V3_SPEC
 
@@ -93,7 +94,9 @@ def apply_liger_kernel_to_deepseek_v3(
         untuned_fused_moe()
     if model is None:
         return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)
-    return patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
+    report = patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
+    pickling.register_method_swaps(DEEPSEEK_V3_SPEC, options)
+    return report
 
 
 def revert_liger_kernel_to_deepseek_v3() -> list[str]:
