@@ -1,18 +1,12 @@
 """liger-dspine: Liger kernels for DeepSeek-V3 and DSpine drafters, as a plugin for liger-kernel.
 
-Importing this package imports no Triton kernel: kernels load when a patch is applied. Set
-``LIGER_DSPINE_INTERPRET=1`` before import to run them on a CPU through Triton's interpreter (tests, demos).
+Importing this package imports neither transformers nor liger-kernel nor any Triton kernel, and sets no environment
+variable: they load when a patch is applied. Set ``LIGER_DSPINE_INTERPRET=1`` before import to run the kernels on a
+CPU through Triton's interpreter (tests, demos).
 """
 
-import os
-
-# liger-kernel's fused-MoE autotuner compiles dozens of configurations on the first backward (minutes at
-# DeepSeek-V3 widths). liger-kernel reads this switch when its kernel modules are first imported, so the default
-# only takes effect if liger-kernel was not imported before liger_dspine; an explicit value is respected.
-os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
-
-from liger_dspine._interpreter import enable_cpu_interpreter  # noqa: E402
-from liger_dspine._interpreter import enable_from_environment as _enable_from_environment  # noqa: E402
+from liger_dspine._interpreter import enable_cpu_interpreter
+from liger_dspine._interpreter import enable_from_environment as _enable_from_environment
 
 _enable_from_environment()
 

@@ -2,9 +2,6 @@
 
 import inspect
 
-from transformers import AutoConfig
-from transformers import AutoModelForCausalLM
-
 from liger_dspine.registry import apply_fn_for
 from liger_dspine.registry import apply_liger_kernel
 
@@ -26,6 +23,9 @@ class AutoLigerDSpineForCausalLM:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        from transformers import AutoConfig
+        from transformers import AutoModelForCausalLM
+
         config = kwargs.get("config")
         if config is None:
             hub_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token") if k in kwargs}
@@ -35,4 +35,6 @@ class AutoLigerDSpineForCausalLM:
 
     @classmethod
     def from_config(cls, config, **kwargs):
+        from transformers import AutoModelForCausalLM
+
         return AutoModelForCausalLM.from_config(config, **_apply_patch_for(config, kwargs))

@@ -6,7 +6,10 @@ cross entropy, which projects the hidden states through ``lm_head`` chunk by chu
 labels) logits are computed as transformers computes them.
 ``ce_forward``: logits as usual, loss from Liger's cross-entropy kernel (the ``cross_entropy=True`` option).
 
-Both return the native output class extended with ``token_accuracy``; ``return_dict=False`` gives its tuple.
+Both return the native output class extended with ``token_accuracy``. ``return_dict=False`` gives the tuple
+liger-kernel's ``lce_forward`` gives: transformers' fields that are not None in their order, except that the logits
+slot stays at its index (None when the fused loss skipped them; ``loss, logits = out[:2]`` works), then
+``token_accuracy`` when the fused path computed it.
 
 Checked before the decoder runs (a ``ValueError`` instead of a device-side assert or an out-of-bounds read in a
 kernel): every label is in ``[0, vocab)`` or ``-100``. This costs one pass over the labels and one device-to-host
@@ -169,7 +172,14 @@ def _causal_lm_forward(
     for f in fields(output):
         if f.name not in ("loss", "logits", "token_accuracy") and f.name in outputs:
             setattr(output, f.name, outputs[f.name])
-    return output if return_dict else output.to_tuple()
+    return output if return_dict else _to_tuple(output)
+
+
+def _to_tuple(output: LigerCausalLMOutputWithPast) -> tuple:
+    """``to_tuple()`` that keeps the logits slot when logits are None; token_accuracy is the last field."""
+    return tuple(
+        getattr(output, f.name) for f in fields(output) if f.name == "logits" or getattr(output, f.name) is not None
+    )
 
 
 def _keep_positions(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:

@@ -159,3 +159,47 @@ def test_plain_qwen3_config_is_not_a_drafter(tmp_path):
     other.update(model_type="llama", architectures=["DSpineDraftModel"])
     with pytest.raises(ValueError, match="not a DSpine draft config"):
         DSpineDraftConfig.from_dict(other)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "mla"}}, "'mla'"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "kda"}}, "'kda'"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "sparse"}}, "'sparse'"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_modes": ["gqa", "mla"]}}, "'mla'"),
+        ({"attention_mode": "mla"}, "'mla'"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "gqa", "attention_modes": ["gqa"] * 2}}, "both"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "mha"}}, "num_key_value_heads"),
+        ({"dflash_config": {"target_layer_ids": [0], "projector_type": "dspark"}}, "projector_type 'dspark'"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+    ],
+)
+def test_specforge_options_the_drafter_does_not_build_are_refused(overrides, named):
+    # tiny: 4 heads, 2 KV heads, so "mha" (which needs as many KV heads as heads) is refused too
+    with pytest.raises(ValueError, match=named) as error:
+        tiny_draft_config(**overrides)
+    assert str(error.value).startswith("DSpine")
+
+
+@pytest.mark.parametrize("mode", ["gqa", "mha", "GQA"])
+def test_specforge_config_with_a_supported_attention_mode_loads(tmp_path, mode):
+    config_dict = json.loads(json.dumps(QWEN3_8B_DSPINE))
+    config_dict["dflash_config"].update(attention_mode=mode, projector_type=None)
+    if mode == "mha":
+        config_dict["num_key_value_heads"] = config_dict["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    config = DSpineDraftConfig.from_pretrained(tmp_path)
+    assert config.dflash_config["attention_mode"] == mode
+    assert config.use_sliding_window is False and config.layer_types == ["full_attention"] * 5
+    assert config.num_key_value_heads == (32 if mode == "mha" else 8)
+
+
+def test_mha_drafter_has_as_many_key_value_heads_as_heads():
+    from liger_dspine.models.dspine.modeling import DSpineDraftModel
+
+    config = tiny_draft_config(
+        num_key_value_heads=4, dflash_config={"target_layer_ids": [0, 1], "attention_modes": ["mha", "mha"]}
+    )
+    attention = DSpineDraftModel(config).layers[0].self_attn
+    assert attention.k_proj.weight.shape == (4 * 8, 32) and attention.num_key_value_groups == 1

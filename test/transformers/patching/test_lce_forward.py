@@ -208,17 +208,39 @@ def test_gradient_accumulation_with_num_items_in_batch(request, native, batch, v
     assert_grads_close(grads_of(model), whole_grads, **FP32)
 
 
-def test_return_dict_false_gives_a_tuple(native, lce, batch):
+def test_return_dict_false_keeps_the_logits_slot(native, lce, batch):
     input_ids, labels = batch
     with torch.no_grad():
-        expected_loss = lce.train()(input_ids, labels=labels).loss
+        expected = lce.train()(input_ids, labels=labels)
         training = lce(input_ids, labels=labels, return_dict=False)
+        native_training = native.train()(input_ids, labels=labels, return_dict=False)
         native_logits = native.eval()(input_ids).logits
         evaluation = lce.eval()(input_ids, return_dict=False)
 
     assert isinstance(training, tuple) and isinstance(evaluation, tuple)
-    torch.testing.assert_close(training[0], expected_loss, atol=0, rtol=0)
+    loss, logits = training[:2]  # transformers' order: the skipped logits keep their slot
+    torch.testing.assert_close(loss, expected.loss, atol=0, rtol=0)
+    torch.testing.assert_close(loss, native_training[0], **FP32)
+    assert logits is None and expected.logits is None
+    # transformers' fields first (same count as the native tuple), then token_accuracy
+    assert len(training) == len(native_training) + 1
+    for ours, theirs in zip(training[2:-1], native_training[2:]):
+        assert type(ours) is type(theirs)
+    torch.testing.assert_close(training[-1], expected.token_accuracy, atol=0, rtol=0)
+    assert 0 < training[-1].item() < 1
     torch.testing.assert_close(evaluation[0], native_logits, **FP32)
+
+
+def test_return_dict_false_with_logits_is_the_native_tuple(native, ce, batch):
+    input_ids, labels = batch
+    with torch.no_grad():
+        ours = ce.train()(input_ids, labels=labels, return_dict=False)
+        theirs = native.train()(input_ids, labels=labels, return_dict=False)
+
+    assert len(ours) == len(theirs)
+    loss, logits = ours[:2]
+    torch.testing.assert_close(loss, theirs[0], **FP32)
+    torch.testing.assert_close(logits, theirs[1], **FP32)
 
 
 @pytest.mark.parametrize("variant", ["lce_tokens", "lce_vocab", "ce"])

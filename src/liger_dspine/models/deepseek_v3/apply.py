@@ -1,6 +1,16 @@
+import logging
+import os
+import sys
+
 from liger_dspine import patching
+from liger_dspine import pickling
 from liger_dspine._versions import require_supported_versions
 from liger_dspine.models.deepseek_v3.spec import DEEPSEEK_V3_SPEC
+
+logger = logging.getLogger(__name__)
+
+FUSED_MOE_AUTOTUNE = "LIGER_FUSED_MOE_AUTOTUNE"
+FUSED_MOE_KERNELS = "liger_kernel.ops.fused_moe_kernels"
 
 
 def apply_liger_kernel_to_deepseek_v3(
@@ -37,7 +47,9 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_experts: (keyword-only) with ``swiglu``, routed experts through liger-kernel's fused MoE kernels
             (takes precedence over ``grouped_experts``). Default False: grouped GEMMs (transformers' own experts)
             took about 27 ms against 43 ms for liger-kernel's untuned fused MoE in a profiled H200 step (8 layers,
-            4096 tokens), and start without an autotuning pass.
+            4096 tokens), and start without an autotuning pass. True sets ``LIGER_FUSED_MOE_AUTOTUNE=0`` unless it
+            is set: liger-kernel reads it once, when its fused-MoE module is first imported, so it then holds for
+            the whole process (and a warning says so when that module was imported with autotuning before).
         grouped_experts: (keyword-only) with ``swiglu``, routed experts -> ``LigerGroupedExperts``: the grouped
             GEMMs of transformers' ``grouped_mm`` experts in one autograd op that keeps only the gate/up output
             for backward (transformers' keeps the gathered inputs, the activation and the down output too: about
@@ -78,9 +90,13 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_experts=swiglu and fused_experts,
         grouped_experts=swiglu and grouped_experts and not fused_experts,
     )
+    if options["fused_experts"]:
+        untuned_fused_moe()
     if model is None:
         return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)
-    return patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
+    report = patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
+    pickling.register_method_swaps(DEEPSEEK_V3_SPEC, options)
+    return report
 
 
 def revert_liger_kernel_to_deepseek_v3(model=None) -> list[str]:
@@ -93,3 +109,21 @@ def revert_liger_kernel_to_deepseek_v3(model=None) -> list[str]:
     if model is None:
         return patching.revert_class_level(DEEPSEEK_V3_SPEC)
     return [r.target for r in patching.revert_instance(DEEPSEEK_V3_SPEC, model)]
+
+
+def untuned_fused_moe() -> None:
+    """Pin liger-kernel's fused-MoE kernels to one configuration each, before their module is imported.
+
+    Its autotuner compiles dozens of configurations on the first backward (minutes at DeepSeek-V3 widths). The
+    variable is read once, at that import, so it holds for the whole process; an explicit value is respected.
+    """
+    kernels = sys.modules.get(FUSED_MOE_KERNELS)
+    if kernels is None:
+        os.environ.setdefault(FUSED_MOE_AUTOTUNE, "0")
+    elif not getattr(kernels, "_AUTOTUNE_DISABLED", True) and FUSED_MOE_AUTOTUNE not in os.environ:
+        logger.warning(
+            "liger-dspine: liger-kernel's fused MoE was imported before this patch, with autotuning on: the first "
+            "backward autotunes its kernels (minutes at DeepSeek-V3 widths). Set %s=0 before importing liger_kernel "
+            "to skip it",
+            FUSED_MOE_AUTOTUNE,
+        )

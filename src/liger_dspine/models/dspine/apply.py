@@ -1,4 +1,5 @@
 from liger_dspine import patching
+from liger_dspine import pickling
 from liger_dspine._versions import require_supported_versions
 from liger_dspine.models.dspine.spec import DSPINE_SPEC
 
@@ -31,7 +32,9 @@ def apply_liger_kernel_to_dspine(
     options = dict(rms_norm=rms_norm, swiglu=swiglu, fused_objective=fused_objective, injection=injection)
     if model is None:
         return patching.apply_class_level(DSPINE_SPEC, options)
-    return patching.apply_to_instance(DSPINE_SPEC, options, model)
+    report = patching.apply_to_instance(DSPINE_SPEC, options, model)
+    pickling.register_method_swaps(DSPINE_SPEC, options)
+    return report
 
 
 def revert_liger_kernel_to_dspine(model=None) -> list[str]:

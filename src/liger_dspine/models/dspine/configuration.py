@@ -17,6 +17,9 @@ from transformers import Qwen3Config
 
 DRAFT_ARCHITECTURE = "DSpineDraftModel"
 SUPPORTED_LAYER_TYPES = ("full_attention",)
+# SpecForge's DFlash family also has "mla" and "kda" attention; this drafter builds GQA (MHA when the KV heads equal
+# the heads) only.
+SUPPORTED_ATTENTION_MODES = ("gqa", "mha")
 
 _INT_FIELDS = ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps", "replacement_layers")
 
@@ -139,6 +142,8 @@ class DSpineDraftConfig(Qwen3Config):
         num_target_layers (`int`): the target's layer count; only used for the default ``target_layer_ids``.
         dflash_config (`dict`): ``mask_token_id`` (int or None until a trainer resolves it) and
             ``target_layer_ids`` (0-based target decoder layers whose outputs are concatenated, T of them).
+            SpecForge's ``attention_mode`` / ``attention_modes`` must be "gqa" or "mha" (absent: "gqa") and its
+            ``projector_type`` null: other values are a ValueError, since this drafter builds nothing else.
         dspine_config (`dict`): the :class:`DSpineConfig` fields; written back complete.
         is_causal (`bool` or None): must not be False.
     """
@@ -159,8 +164,11 @@ class DSpineDraftConfig(Qwen3Config):
             raise ValueError(f"DSpine is_causal must be a bool or null, got {self.is_causal!r}")
         if self.is_causal is False:
             raise ValueError("DSpine requires causal attention; is_causal=false is not supported")
+        if self.use_sliding_window:
+            raise ValueError("DSpine use_sliding_window=true is not supported: the drafter has no sliding layers")
         super().__post_init__(**kwargs)
         self._resolve_dflash_fields()
+        self._check_attention_mode()
         options = DSpineConfig.from_dict(self.dspine_config)
         options.validate(self.hidden_size, self.vocab_size)
         self.dspine_config = options.to_dict()
@@ -202,6 +210,32 @@ class DSpineDraftConfig(Qwen3Config):
         unsupported = sorted(set(self.layer_types) - set(SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise ValueError(f"DSpine layer_types supports only {SUPPORTED_LAYER_TYPES}, got {unsupported}")
+
+    def _check_attention_mode(self) -> None:
+        """Refuse SpecForge's DFlash options this drafter does not build (it would build GQA silently)."""
+        dflash = self.dflash_config
+        if "attention_mode" in dflash and "attention_modes" in dflash:
+            raise ValueError("DSpine dflash_config sets both attention_mode and attention_modes; set one")
+        modes = list(dflash.get("attention_modes") or [dflash.get("attention_mode", "gqa")])
+        top_level = getattr(self, "attention_mode", None)  # some DFlash readers also look at the top level
+        if top_level is not None:
+            modes.append(top_level)
+        unsupported = sorted({str(mode) for mode in modes if str(mode).lower() not in SUPPORTED_ATTENTION_MODES})
+        if unsupported:
+            raise ValueError(
+                f"DSpine attention_mode {', '.join(map(repr, unsupported))} is not supported: the drafter implements "
+                f"{' and '.join(SUPPORTED_ATTENTION_MODES)} attention only"
+            )
+        if "mha" in (str(mode).lower() for mode in modes) and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"DSpine attention_mode 'mha' needs num_key_value_heads == num_attention_heads, got "
+                f"{self.num_key_value_heads} and {self.num_attention_heads}"
+            )
+        if dflash.get("projector_type") is not None:
+            raise ValueError(
+                f"DSpine dflash_config.projector_type {dflash['projector_type']!r} is not supported: the drafter has "
+                "no projector (projector_type must be null or absent)"
+            )
 
     @property
     def target_layer_ids(self) -> list[int]:
