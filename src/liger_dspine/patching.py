@@ -385,6 +385,14 @@ def revert_instance(spec: PatchSpec, model: nn.Module) -> PatchReport:
     return apply_to_instance(spec, {swap.option: False for swap in spec.swaps}, model)
 
 
+def revert(spec: PatchSpec, model: nn.Module | None = None) -> list[str]:
+    """What a ``revert_liger_kernel_to_<model>(model=None)`` does: the class level without a model, else that
+    instance; returns the restored targets."""
+    if model is None:
+        return revert_class_level(spec)
+    return [r.target for r in revert_instance(spec, model)]
+
+
 def check_modules(spec: PatchSpec, model: nn.Module) -> None:
     """Raise ValueError naming every module of ``model`` that disagrees with ``model.config`` (``spec.checks``)."""
     config = getattr(model, "config", None)

@@ -106,9 +106,7 @@ def revert_liger_kernel_to_deepseek_v3(model=None) -> list[str]:
     a model turns that instance's converted modules and bound methods back into the native ones. Returns what was
     restored. Modules built under a class-level patch are not converted ones: revert the class level and rebuild.
     """
-    if model is None:
-        return patching.revert_class_level(DEEPSEEK_V3_SPEC)
-    return [r.target for r in patching.revert_instance(DEEPSEEK_V3_SPEC, model)]
+    return patching.revert(DEEPSEEK_V3_SPEC, model)
 
 
 def untuned_fused_moe() -> None:

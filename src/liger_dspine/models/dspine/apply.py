@@ -44,6 +44,4 @@ def revert_liger_kernel_to_dspine(model=None) -> list[str]:
     a model turns that instance's converted modules and bound methods back into the native ones. Returns what was
     restored. Modules built under a class-level patch are not converted ones: revert the class level and rebuild.
     """
-    if model is None:
-        return patching.revert_class_level(DSPINE_SPEC)
-    return [r.target for r in patching.revert_instance(DSPINE_SPEC, model)]
+    return patching.revert(DSPINE_SPEC, model)
