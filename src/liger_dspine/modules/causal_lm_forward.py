@@ -32,6 +32,7 @@ import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.modules.backward_guard import SecondPassGuard
 
 try:  # newer transformers also take 2D positions [B, P] and boolean masks [B, S] (logits [N, V])
     from transformers.modeling_utils import slice_logits_to_keep as _slice_logits_to_keep
@@ -269,7 +270,9 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
         return_token_accuracy=True,
         chunk_mem_const=fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size()),
     )
-    return result.loss / _on(divisor, result.loss), result.token_accuracy
+    guard = SecondPassGuard("liger-kernel's fused linear cross entropy")
+    loss = guard.inner(result.loss)
+    return guard.outer(loss / _on(divisor, loss)), result.token_accuracy
 
 
 def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor):
@@ -293,8 +296,9 @@ def _liger_ce(logits, targets, divisor):
     check_kernel_device(logits, "Liger cross entropy")
     # The kernel writes the gradient into its input: give it an fp32 copy, never the logits returned to the caller.
     logits_fp32 = logits.reshape(-1, logits.shape[-1]).to(torch.float32, copy=True)
-    loss = liger_cross_entropy(logits_fp32, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss / _on(divisor, loss)
+    guard = SecondPassGuard("liger-kernel's cross-entropy kernel")
+    loss = guard.inner(liger_cross_entropy(logits_fp32, targets, ignore_index=IGNORE_INDEX, reduction="sum"))
+    return guard.outer(loss / _on(divisor, loss))
 
 
 def _on(divisor, like: torch.Tensor):

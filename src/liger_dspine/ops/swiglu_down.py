@@ -71,9 +71,10 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
         if ctx.overwritten:
             raise RuntimeError(
-                "liger-dspine: LigerSwiGLUDownFunction(in_place=True) can run its backward only once: "
-                "the saved gate and up "
-                "now hold their gradients. Use in_place=False for retain_graph=True or a second backward."
+                "liger-dspine: the fused SwiGLU MLP (LigerSwiGLUMLP) can run its backward only once: its first "
+                "backward wrote the gradients of gate and up over the saved activations, to save memory. For "
+                "backward(retain_graph=True) twice or autograd.grad(..., retain_graph=True) then backward(), run the "
+                "forward again, or patch with swiglu=False."
             )
         width, hidden = gate.shape[-1], down_weight.shape[0]
         gate_rows, up_rows = gate.view(-1, width), up.view(-1, width)

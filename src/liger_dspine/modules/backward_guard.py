@@ -1,0 +1,68 @@
+"""A clear error, instead of wrong gradients, for a second backward through liger-kernel's fused losses.
+
+liger-kernel's fused linear cross entropy and its cross-entropy kernel compute the input gradient in the forward and
+keep it; their backward multiplies it *in place* by the incoming gradient when that is not exactly 1. A second pass
+through the same graph (``backward(retain_graph=True)`` twice, or ``torch.autograd.grad(..., retain_graph=True)``
+then ``backward()``) would scale it again and give wrong gradients with no error. Two identity nodes around such a
+loss turn that into an error: the inner one, on the kernel's loss, notes when the kernel's backward scales its saved
+gradient; the outer one, on the loss handed to the caller, runs first in every later pass and refuses it before
+any gradient reaches the kernel or a ``.grad``. Passes with an upstream gradient of exactly 1 change nothing in the
+kernel and stay allowed.
+"""
+
+import torch
+
+
+class _GuardState:
+    def __init__(self, what: str):
+        self.what = what
+        self.scaled = False
+
+
+class _NoteScaledFunction(torch.autograd.Function):
+    """Identity on the kernel's loss; its backward notes a gradient other than 1 (the kernel then scales)."""
+
+    @staticmethod
+    def forward(ctx, loss, state):
+        ctx.state = state
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not torch.equal(grad, torch.ones_like(grad)):
+            ctx.state.scaled = True
+        return grad, None
+
+
+class _RefuseAfterScaledFunction(torch.autograd.Function):
+    """Identity on the caller's loss; its backward refuses a pass after the kernel scaled its saved gradient."""
+
+    @staticmethod
+    def forward(ctx, loss, state):
+        ctx.state = state
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.state.scaled:
+            raise RuntimeError(
+                f"liger-dspine: this loss was already back-propagated once, and {ctx.state.what} rescaled its saved "
+                "gradient in place then, so another pass through the same graph (backward(retain_graph=True) again, "
+                "or autograd.grad(..., retain_graph=True) followed by backward()) would give wrong gradients. Run the "
+                "forward again for each backward, or patch with vocab_chunked_lce=True, whose backward can run any "
+                "number of times."
+            )
+        return grad, None
+
+
+class SecondPassGuard:
+    """``inner`` wraps the kernel's loss, ``outer`` the loss returned to the caller (computed from the inner one)."""
+
+    def __init__(self, what: str):
+        self._state = _GuardState(what)
+
+    def inner(self, loss: torch.Tensor) -> torch.Tensor:
+        return _NoteScaledFunction.apply(loss, self._state) if loss.requires_grad else loss
+
+    def outer(self, loss: torch.Tensor) -> torch.Tensor:
+        return _RefuseAfterScaledFunction.apply(loss, self._state) if loss.requires_grad else loss
