@@ -32,17 +32,22 @@ class LigerScaledWriteFunction(torch.autograd.Function):
     def forward(ctx, states, message, weight):
         wide = _wide(states.dtype)
         rms = torch.linalg.vector_norm(states.to(wide), dim=-1, keepdim=True) / math.sqrt(states.shape[-1])
-        delta = F.linear(message, weight)
+        delta = F.linear(message, weight)  # in autocast's dtype when it is on
         ctx.save_for_backward(states, message, weight, rms)
+        ctx.delta_dtype = delta.dtype
         return states + rms.to(states.dtype) * delta
 
     @staticmethod
     def backward(ctx, grad):
         states, message, weight, rms = ctx.saved_tensors
-        delta = F.linear(message, weight)
-        grad_delta = grad * rms.to(grad.dtype)
-        grad_message = grad_delta @ weight if ctx.needs_input_grad[1] else None
-        grad_weight = grad_delta.flatten(0, -2).T @ message.flatten(0, -2) if ctx.needs_input_grad[2] else None
+        dtype = ctx.delta_dtype  # the forward's GEMM dtype (autocast is off in the backward)
+        low_message, low_weight = message.to(dtype), weight.to(dtype)
+        delta = F.linear(low_message, low_weight)
+        grad_delta = (grad * rms.to(grad.dtype)).to(dtype)
+        grad_message = (grad_delta @ low_weight).to(message.dtype) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = (grad_delta.flatten(0, -2).T @ low_message.flatten(0, -2)).to(weight.dtype)
         grad_states = None
         if ctx.needs_input_grad[0]:
             wide = rms.dtype

@@ -85,3 +85,26 @@ def test_write_keeps_no_fp32_copy_nor_delta():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         native_write(states, message, weight)
     assert sum(t.numel() >= states.numel() for t in saved) > 1  # the torch expression keeps more
+
+
+def test_write_under_autocast_matches_the_torch_expression():
+    """fp32 states and weights under bf16 autocast (mixed-precision training): the GEMM runs in bf16 in both, the
+    backward recomputes it in that dtype, and the gradients come back in each input's dtype."""
+    states, message, weight = write_inputs(torch.float32, zero_row=False)
+    message = message.bfloat16()  # as the injection's gated message comes out of autocast's Linear
+
+    def under_autocast(fn):  # the forward under autocast, the backward outside it, as recommended for training
+        def run(*tensors):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*tensors)
+
+        return run
+
+    out, (d_states, d_message, d_weight) = grads(under_autocast(liger_scaled_write), states, message, weight)
+    ref, (r_states, r_message, r_weight) = grads(under_autocast(native_write), states, message, weight)
+    assert out.dtype == ref.dtype == torch.float32
+    assert (d_states.dtype, d_message.dtype, d_weight.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)  # the same bf16 delta, the same fp32 sum
+    # bf16 GEMMs of the gradients in both; only their operands' last-bit rounding may differ
+    for got, expected in ((d_states, r_states), (d_message, r_message), (d_weight, r_weight)):
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
