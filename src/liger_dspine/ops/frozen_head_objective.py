@@ -22,6 +22,8 @@ Differences from the eager function (both where eager is undefined or arbitrary)
   q as softmax, whose last-bit differences give that case arbitrary signs.
 - Tied logits: ``correct`` uses the first maximal index, as ``torch.argmax``; candidates tied on their logit may
   come in another order than eager's, and a tie at the K-th place may pick another of the tied ids.
+- A row with a NaN logit gets NaN ce (and l1, with a teacher), as eager; its ``correct`` and candidates are
+  unspecified (eager's ``argmax`` and ``topk`` rank NaN first, the kernel's maxima may not).
 """
 
 import torch
