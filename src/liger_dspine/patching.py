@@ -189,6 +189,12 @@ def native_class(spec: PatchSpec, swap: ClassSwap):
     return None if name is None else _original(module, name)
 
 
+def original_method(module_name: str, owner: str, method: str):
+    """``owner.method`` of ``module_name`` as it was before any class-level swap of this package."""
+    module = importlib.import_module(module_name)
+    return _ORIGINALS.get((module_name, f"{owner}.{method}"), vars(getattr(module, owner)).get(method))
+
+
 def _original(module, name: str):
     """``module.name`` as it was before any class-level swap of this package."""
     return _ORIGINALS.get((module.__name__, name), getattr(module, name))
@@ -368,6 +374,9 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
         vars(instance).pop(swap.method, None)
         if getattr(type(instance), swap.method) is new:  # patched at class level: this instance takes the original
             original = _ORIGINALS[((swap.module or spec.module), f"{swap.owner}.{swap.method}")]
+            from liger_dspine import pickling  # the bound original pickles by where it lives
+
+            pickling.register_original(original, swap.module or spec.module, swap.owner, swap.method)
             setattr(instance, swap.method, MethodType(original, instance))
         restored += 1
     _record_restored(report, f"{swap.owner}.{swap.method} of the instance", new, vars(owner)[swap.method], restored)

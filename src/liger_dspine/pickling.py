@@ -14,6 +14,7 @@ from liger_dspine.patching import PatchSpec
 from liger_dspine.patching import load_object
 
 _REPLACEMENTS: set = set()
+_ORIGINAL_KEYS: dict = {}  # a native method bound to one instance (an option turned off) -> (module, owner, method)
 _previous_reducer = None  # a MethodType reducer registered before ours, if any
 
 
@@ -25,6 +26,21 @@ def register(func) -> None:
     if current is not _reduce_method:
         _previous_reducer = current
         copyreg.pickle(MethodType, _reduce_method)
+
+
+def register_original(func, module_name: str, owner: str, method: str) -> None:
+    """Pickle the native ``func`` bound to an instance by where it lives, since a class-level patch may hold its
+    name: at load it is looked up as the engine found it before the patch."""
+    register(func)
+    _ORIGINAL_KEYS[func] = (module_name, owner, method)
+
+
+def bind_original(module_name: str, owner: str, method: str, instance):
+    from liger_dspine.patching import original_method
+
+    func = original_method(module_name, owner, method)
+    register_original(func, module_name, owner, method)
+    return MethodType(func, instance)
 
 
 def register_method_swaps(spec: PatchSpec, options: dict[str, bool]) -> None:
@@ -41,6 +57,8 @@ def bind(func, instance):
 
 
 def _reduce_method(method: MethodType):
+    if method.__func__ in _ORIGINAL_KEYS:
+        return bind_original, (*_ORIGINAL_KEYS[method.__func__], method.__self__)
     if method.__func__ in _REPLACEMENTS:
         return bind, (method.__func__, method.__self__)
     if _previous_reducer is not None:

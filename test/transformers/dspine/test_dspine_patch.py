@@ -451,3 +451,19 @@ def test_dspine_demo_runs(capsys):
     printed = capsys.readouterr().out
     assert "largest loss difference" in printed and "fused_objective_on" in printed
     assert_native_globals()
+
+
+def test_instance_patched_objective_round_trips_through_pickle(target):
+    import pickle
+
+    objective = build_objective(target)
+    apply_liger_kernel_to_dspine(model=objective)
+    loaded = pickle.loads(pickle.dumps(objective))
+    assert loaded.fused_objective and type(loaded.draft_model.norm) is LigerRMSNorm
+    assert type(loaded.draft_model.injection) is LigerAdjacentInjection
+    batch = make_batches(target, 1)[0]
+    losses = []
+    for model in (objective, loaded):
+        torch.manual_seed(21)
+        losses.append(model(**batch, global_step=100, total_steps=600).loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=0, rtol=0)

@@ -126,3 +126,20 @@ def test_two_enabled_swaps_on_one_target_are_refused():
         patching.apply_class_level(spec, {"a": True, "b": True})
     assert builders.Qwen3RMSNorm is Qwen3RMSNorm  # refused before anything changed
     assert patching.apply_class_level(spec, {"a": False, "b": False}).replacements == []
+
+
+def test_instance_opt_out_of_a_class_patched_forward_pickles():
+    import pickle
+
+    config = tiny_deepseek_v3_config()
+    input_ids, labels = random_batch(config)
+    with class_level_deepseek_v3():
+        apply_liger_kernel_to_deepseek_v3()
+        model = build_model(config).train()
+        apply_liger_kernel_to_deepseek_v3(fused_linear_cross_entropy=False, model=model)
+        assert model(input_ids, labels=labels).logits is not None  # the native forward on this instance
+        loaded = pickle.loads(pickle.dumps(model))
+        assert loaded.forward.__func__ is model.forward.__func__
+        out, ref = loaded(input_ids, labels=labels), model(input_ids, labels=labels)
+        assert out.logits is not None
+        torch.testing.assert_close(out.loss, ref.loss, atol=0, rtol=0)
