@@ -341,12 +341,7 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
         if old is None:
             return
         if not isinstance(old, type):
-            restored = 0
-            for module in model.modules():
-                for name, value in list(vars(module).items()):
-                    if value is new:
-                        setattr(module, name, old)
-                        restored += 1
+            restored, _ = _rebind_references(model, new, old)
             _record_restored(report, f"{old.__name__} references", new, old, restored)
             return
         restored = 0
@@ -455,15 +450,21 @@ def _convert_class(module: nn.Module, new: type) -> None:
 
 def _rebind_held_references(model: nn.Module, old, new, report: PatchReport) -> None:
     """For a function global: point the attributes of ``model``'s modules that hold ``old`` to ``new``."""
-    converted = already = 0
+    converted, already = _rebind_references(model, old, new)
+    _record_conversions(report, f"{old.__name__} references", old, new, converted, already)
+
+
+def _rebind_references(model: nn.Module, old, new) -> tuple[int, int]:
+    """Point every module attribute of ``model`` that holds ``old`` to ``new``: (rebound, already ``new``)."""
+    rebound = already = 0
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if value is old:
                 setattr(module, name, new)
-                converted += 1
+                rebound += 1
             elif value is new:
                 already += 1
-    _record_conversions(report, f"{old.__name__} references", old, new, converted, already)
+    return rebound, already
 
 
 def _record_conversions(report: PatchReport, target: str, old, new, converted: int, already: int) -> None:

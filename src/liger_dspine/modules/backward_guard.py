@@ -19,13 +19,17 @@ class _GuardState:
         self.scaled = False
 
 
-class _NoteScaledFunction(torch.autograd.Function):
-    """Identity on the kernel's loss; its backward notes a gradient other than 1 (the kernel then scales)."""
+class _GuardFunction(torch.autograd.Function):
+    """Identity on a loss, keeping the guard's shared state for its backward."""
 
     @staticmethod
     def forward(ctx, loss, state):
         ctx.state = state
         return loss.clone()
+
+
+class _NoteScaledFunction(_GuardFunction):
+    """On the kernel's loss: its backward notes a gradient other than 1 (the kernel then scales)."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -34,13 +38,8 @@ class _NoteScaledFunction(torch.autograd.Function):
         return grad, None
 
 
-class _RefuseAfterScaledFunction(torch.autograd.Function):
-    """Identity on the caller's loss; its backward refuses a pass after the kernel scaled its saved gradient."""
-
-    @staticmethod
-    def forward(ctx, loss, state):
-        ctx.state = state
-        return loss.clone()
+class _RefuseAfterScaledFunction(_GuardFunction):
+    """On the caller's loss: its backward refuses a pass after the kernel scaled its saved gradient."""
 
     @staticmethod
     def backward(ctx, grad):

@@ -218,8 +218,9 @@ def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k:
     return ids, probs
 
 
-def write_logit_grads(z, y, labels, ce_scale, l1_scale, stats: ChunkStats) -> None:
-    """Overwrite z [C, V] with dz for per-row scales ``ce_scale`` and ``l1_scale`` ([C] fp32)."""
+def write_logit_grads(z, y, labels, ce_scale, l1_scale, draft_lse, teacher_lse, sign_mass) -> None:
+    """Overwrite z [C, V] with dz for per-row scales ``ce_scale`` and ``l1_scale`` ([C] fp32), from the chunk's
+    statistics (the stats kernel's ``draft_lse``, ``teacher_lse`` and ``sign_mass``, [C] fp32)."""
     rows, vocab_size = z.shape
     has_teacher = y is not None
     _frozen_head_grad_kernel[(rows,)](
@@ -228,9 +229,9 @@ def write_logit_grads(z, y, labels, ce_scale, l1_scale, stats: ChunkStats) -> No
         labels,
         ce_scale,
         l1_scale if has_teacher else ce_scale,
-        stats.draft_lse,
-        stats.teacher_lse if has_teacher else stats.draft_lse,
-        stats.sign_mass if has_teacher else stats.draft_lse,
+        draft_lse,
+        teacher_lse if has_teacher else draft_lse,
+        sign_mass if has_teacher else draft_lse,
         vocab_size,
         IGNORE_INDEX,
         HAS_TEACHER=has_teacher,
@@ -281,13 +282,18 @@ class RowResults:
         return self.ce, self.correct, self.l1, self.candidate_ids, self.candidate_probs
 
 
-def chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
-    """For each chunk of rows: (start, end, z, y, stats) after the logits GEMM and the stats kernel."""
+def chunk_logit_passes(draft_hidden, teacher_hidden, weight, chunk_rows):
+    """For each chunk of rows: (start, end, z, y) after the logits GEMM (y None without a teacher)."""
     rows = draft_hidden.shape[0]
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
         teacher = teacher_hidden[start:end] if teacher_hidden is not None else None
-        z, y = chunk_logits(draft_hidden[start:end], teacher, weight)
+        yield (start, end, *chunk_logits(draft_hidden[start:end], teacher, weight))
+
+
+def chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+    """For each chunk of rows: (start, end, z, y, stats) after the logits GEMM and the stats kernel."""
+    for start, end, z, y in chunk_logit_passes(draft_hidden, teacher_hidden, weight, chunk_rows):
         yield start, end, z, y, chunk_stats(z, y, labels[start:end])
 
 

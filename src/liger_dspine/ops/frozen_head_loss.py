@@ -67,7 +67,16 @@ class LigerFrozenHeadLossFunction(torch.autograd.Function):
                 results.store(start, end, z, y, stats)
                 if want_grad:
                     chunk_l1_scale = l1_scale[start:end] if has_teacher else None
-                    write_logit_grads(z, y, labels[start:end], ce_scale[start:end], chunk_l1_scale, stats)
+                    write_logit_grads(
+                        z,
+                        y,
+                        labels[start:end],
+                        ce_scale[start:end],
+                        chunk_l1_scale,
+                        stats.draft_lse,
+                        stats.teacher_lse,
+                        stats.sign_mass,
+                    )
                     _project_grads(z, weight, grad_input[start:end])
 
         loss = (results.ce * ce_scale).sum()

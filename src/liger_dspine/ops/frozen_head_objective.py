@@ -32,7 +32,7 @@ from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.frozen_head_kernels import IGNORE_INDEX
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
-from liger_dspine.ops.frozen_head_kernels import chunk_logits
+from liger_dspine.ops.frozen_head_kernels import chunk_logit_passes
 from liger_dspine.ops.frozen_head_kernels import chunk_passes
 from liger_dspine.ops.frozen_head_kernels import default_chunk_rows
 from liger_dspine.ops.frozen_head_kernels import write_logit_grads
@@ -73,32 +73,28 @@ class LigerFrozenHeadTermsFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None
         has_teacher = ctx.has_teacher
-        rows = draft_hidden.shape[0]
         grad_ce = grad_ce.float().contiguous()
         grad_l1 = grad_l1.float().contiguous() if has_teacher and grad_l1 is not None else torch.zeros_like(grad_ce)
         grad_input = torch.empty_like(draft_hidden, memory_format=torch.contiguous_format)
         with torch.autocast(draft_hidden.device.type, enabled=False):
             weight = head_weight.to(ctx.compute_dtype)
-            for start in range(0, rows, ctx.chunk_rows):
-                end = min(start + ctx.chunk_rows, rows)
-                teacher = teacher_hidden[start:end] if has_teacher else None
-                z, y = chunk_logits(draft_hidden[start:end], teacher, weight)
-                stats = _SavedStats(draft_lse, teacher_lse, sign_mass, start, end)
-                write_logit_grads(z, y, labels[start:end], grad_ce[start:end], grad_l1[start:end], stats)
+            for start, end, z, y in chunk_logit_passes(draft_hidden, teacher_hidden, weight, ctx.chunk_rows):
+                rows = slice(start, end)
+                write_logit_grads(
+                    z,
+                    y,
+                    labels[rows],
+                    grad_ce[rows],
+                    grad_l1[rows],
+                    draft_lse[rows],
+                    teacher_lse[rows] if has_teacher else None,
+                    sign_mass[rows] if has_teacher else None,
+                )
                 if grad_input.dtype == weight.dtype:
-                    torch.mm(z, weight, out=grad_input[start:end])
+                    torch.mm(z, weight, out=grad_input[rows])
                 else:
-                    grad_input[start:end] = z.mm(weight)
+                    grad_input[rows] = z.mm(weight)
         return grad_input, None, None, None, None, None, None
-
-
-class _SavedStats:
-    """The per-row statistics of rows [start, end) saved by the forward, as the gradient kernel reads them."""
-
-    def __init__(self, draft_lse, teacher_lse, sign_mass, start, end):
-        self.draft_lse = draft_lse[start:end]
-        self.teacher_lse = None if teacher_lse is None else teacher_lse[start:end]
-        self.sign_mass = None if sign_mass is None else sign_mass[start:end]
 
 
 def liger_frozen_head_terms(

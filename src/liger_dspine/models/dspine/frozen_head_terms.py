@@ -10,16 +10,12 @@ kernel with the same signature and outputs is :func:`liger_dspine.ops.frozen_hea
 the DSpine objective's fused path uses :func:`liger_dspine.ops.frozen_head_loss.liger_frozen_head_loss`.
 """
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
 from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
 
 __all__ = ["FrozenHeadTerms", "frozen_head_terms", "project_rows"]
-
-FrozenHeadTermsFn = Callable[..., FrozenHeadTerms]
 
 
 def project_rows(rows: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
