@@ -322,7 +322,7 @@ def test_attention_with_cache_matches_native(device, monkeypatch, latent_cache, 
     ``latent_cache=False`` runs the branch for transformers < 5.17 (the cache holds expanded keys and values):
     its outputs must still equal the native ones.
     """
-    monkeypatch.setattr(liger_attention, "LATENT_CACHE", latent_cache)
+    monkeypatch.setattr(liger_attention.LigerDeepseekV3Attention, "latent_cache", latent_cache)
     config = tiny_attention_config(q_lora_rank=None)
     native, liger = attention_pair(config, device)
     batch, prefill = 2, 6

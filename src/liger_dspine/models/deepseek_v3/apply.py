@@ -69,6 +69,36 @@ def apply_liger_kernel_to_deepseek_v3(
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
     """
+    options = v3_options(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        moe_router=moe_router,
+        fused_experts=fused_experts,
+        grouped_experts=grouped_experts,
+        vocab_chunked_lce=vocab_chunked_lce,
+        recompute_attention=recompute_attention,
+    )
+    return apply_spec(DEEPSEEK_V3_SPEC, options, model)
+
+
+def v3_options(
+    *,
+    rope: bool,
+    cross_entropy: bool,
+    fused_linear_cross_entropy: bool,
+    rms_norm: bool,
+    swiglu: bool,
+    moe_router: bool = False,
+    fused_experts: bool = False,
+    grouped_experts: bool = False,
+    vocab_chunked_lce: bool = False,
+    recompute_attention: bool = False,
+) -> dict[str, bool]:
+    """The public options of DeepSeek-V3's apply function (and of the models built from its classes), checked
+    against each other and resolved into one flag per swap of the spec: at most one enabled swap per target."""
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError(
             "liger-dspine: cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path"
@@ -77,8 +107,7 @@ def apply_liger_kernel_to_deepseek_v3(
         raise ValueError(
             "liger-dspine: recompute_attention=True needs rope=True: it is a mode of liger-dspine's MLA attention"
         )
-    require_supported_versions()
-    options = dict(
+    return dict(
         rope=rope and not recompute_attention,
         recompute_attention=recompute_attention,
         cross_entropy=cross_entropy,
@@ -90,12 +119,17 @@ def apply_liger_kernel_to_deepseek_v3(
         fused_experts=swiglu and fused_experts,
         grouped_experts=swiglu and grouped_experts and not fused_experts,
     )
-    if options["fused_experts"]:
+
+
+def apply_spec(spec: patching.PatchSpec, options: dict[str, bool], model=None) -> patching.PatchReport:
+    """Apply resolved options: the classes of ``spec.module`` without a model, else that instance."""
+    require_supported_versions()
+    if options.get("fused_experts"):
         untuned_fused_moe()
     if model is None:
-        return patching.apply_class_level(DEEPSEEK_V3_SPEC, options)
-    report = patching.apply_to_instance(DEEPSEEK_V3_SPEC, options, model)
-    pickling.register_method_swaps(DEEPSEEK_V3_SPEC, options)
+        return patching.apply_class_level(spec, options)
+    report = patching.apply_to_instance(spec, options, model)
+    pickling.register_method_swaps(spec, options)
     return report
 
 

@@ -2,7 +2,8 @@
 
 :class:`LigerDeepseekV3Attention` computes what transformers' ``DeepseekV3Attention.forward`` computes, with the
 same parameters and ``__init__``, so it can replace the class in ``modeling_deepseek_v3`` or be set as the
-``__class__`` of a built module. With ``config.rope_interleave`` it replaces, per layer:
+``__class__`` of a built module. The forward is the mixin :class:`LigerMLAAttention`: the models whose attention is a
+copy of DeepSeek-V3's (GLM-4.7-Flash, A.X-K1, Youtu) each get a ``Liger<Native>`` class from it and their own class. With ``config.rope_interleave`` it replaces, per layer:
 
 - the query: split, interleaved RoPE, ``torch.cat((q_pass, q_rot))`` -> one kernel (:func:`liger_mla_query`);
 - the key: interleaved RoPE of the shared ``k_rot``, broadcast to the heads and copy beside ``k_nope``
@@ -22,35 +23,47 @@ and ``cache`` in 5.24 (where ``past_key_values`` is deprecated); both names are 
 """
 
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _modeling
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 from liger_dspine.modules.config_reading import runs_plain_linear
 
-_NATIVE_PARAMS = inspect.signature(DeepseekV3Attention.forward).parameters
-# Name of the cache argument of the native forward ("past_key_values" in transformers 5.17, "cache" in 5.24).
-NATIVE_CACHE_ARG = "cache" if "cache" in _NATIVE_PARAMS else "past_key_values"
-# The native forwards that take `cache=` also hand their kwargs to `cache.update(..., kwargs=kwargs)`.
-_CACHE_UPDATE_TAKES_KWARGS = NATIVE_CACHE_ARG == "cache"
-# transformers >= 5.17 caches the compressed latents (kv_nope, k_rot) and expands them afterwards.
-LATENT_CACHE = hasattr(DeepseekV3Attention, "expand_kv")
 
+class LigerMLAAttention:
+    """The Liger MLA forward, mixed in before a model's own native MLA class (DeepSeek-V3's or a copy of it).
 
-def _flash_pads_value(config) -> bool:
-    is_flash = getattr(_modeling, "is_flash_attention_requested", None)
-    if is_flash is not None:
-        return bool(is_flash(config))
-    return "flash" in str(getattr(config, "_attn_implementation", "") or "")
+    ``class Liger<Native>(LigerMLAAttention, <Native>)`` keeps the native ``__init__``, so its submodules (the q / kv
+    norms) are the model's own classes, and ``super().forward`` is the native forward. What differs between
+    transformers versions is read from the native class when the Liger class is defined:
 
-
-class LigerDeepseekV3Attention(DeepseekV3Attention):
-    """MLA with the interleaved RoPE fused into the query and key assembly; parameters as the native class."""
+    - ``native_cache_arg``: the cache argument of the native forward ("past_key_values" in 5.17, "cache" in 5.24);
+      the forwards that take ``cache=`` also hand their kwargs to ``cache.update(..., kwargs=kwargs)``;
+    - ``latent_cache``: the native class caches the compressed latents (it has ``expand_kv``, transformers >= 5.17);
+    - ``modeling``: the native class's modeling module (its attention functions).
+    """
 
     recompute_core = False  # see LigerDeepseekV3RecomputeAttention
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if any(base is not LigerMLAAttention and issubclass(base, LigerMLAAttention) for base in cls.__bases__):
+            return  # a subclass of a Liger class inherits what its parent read
+        native = next(base for base in cls.__mro__[1:] if base.__module__.startswith("transformers."))
+        params = inspect.signature(native.forward).parameters
+        cls.native_cache_arg = "cache" if "cache" in params else "past_key_values"
+        cls.cache_update_takes_kwargs = cls.native_cache_arg == "cache"
+        cls.latent_cache = hasattr(native, "expand_kv")
+        cls.modeling = sys.modules[native.__module__]
+
+    def _liger_flash_pads_value(self) -> bool:
+        is_flash = getattr(self.modeling, "is_flash_attention_requested", None)
+        if is_flash is not None:
+            return bool(is_flash(self.config))
+        return "flash" in str(getattr(self.config, "_attn_implementation", "") or "")
 
     def forward(
         self,
@@ -73,7 +86,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
             if self.recompute_core and cache is None and torch.is_grad_enabled():
                 run = lambda h: native(h, position_embeddings, attention_mask, **kwargs)  # noqa: E731
                 return checkpoint(run, hidden_states, use_reentrant=False)
-            return native(hidden_states, position_embeddings, attention_mask, **{NATIVE_CACHE_ARG: cache}, **kwargs)
+            return native(hidden_states, position_embeddings, attention_mask, **{self.native_cache_arg: cache}, **kwargs)
 
         batch_size, seq_length = hidden_states.shape[:-1]
         # The latents: the query's after q_a_layernorm (or the hidden states without q_lora_rank), the key/value's
@@ -85,7 +98,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
 
         key_angles = (cos, sin)
-        if LATENT_CACHE and cache is not None:
+        if self.latent_cache and cache is not None:
             # The cache takes the turned rope key and returns every position's latents (outside any recompute).
             kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs)
             key_angles = (None, None)
@@ -97,7 +110,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
 
         # transformers' models make a cache in training too (use_cache defaults to True): with latents in it the
         # core is still recomputable; an expanded-key cache (transformers < 5.17) is updated inside the core.
-        recomputable = cache is None or LATENT_CACHE
+        recomputable = cache is None or self.latent_cache
         if torch.is_grad_enabled() and self._liger_head_groups_apply():
             group = self._liger_heads_per_group(q_latent)
             if self.recompute_core or group < self.num_heads:
@@ -123,7 +136,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         batch_size, seq_length = q_latent.shape[:-1]
         # Key and value first, then the query: the backward runs in the opposite order, so the query gradient
         # (turned in place) is consumed by q_b_proj before the key backward allocates the kv_b_proj gradient.
-        if LATENT_CACHE:
+        if self.latent_cache:
             from liger_dspine.ops.interleaved_rope import liger_mla_key
 
             # key_angles (None, None): k_rot came out of the cache already turned
@@ -137,12 +150,12 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
         query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
 
-        pad_value = not LATENT_CACHE and self.qk_head_dim != self.v_head_dim and _flash_pads_value(self.config)
+        pad_value = not self.latent_cache and self.qk_head_dim != self.v_head_dim and self._liger_flash_pads_value()
         if pad_value:
             value_states = F.pad(value_states, [0, self.qk_head_dim - self.v_head_dim])
 
-        attention_interface = _modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, _modeling.eager_attention_forward
+        attention_interface = self.modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self.modeling.eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
             self,
@@ -168,7 +181,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         plain = all(runs_plain_linear(m) and m.bias is None for m in projections)
         dropout = self.attention_dropout if self.training else 0.0
         eager = self.config._attn_implementation in (None, "eager")
-        return LATENT_CACHE and plain and dropout == 0.0 and not eager
+        return self.latent_cache and plain and dropout == 0.0 and not eager
 
     def _liger_heads_per_group(self, q_latent: torch.Tensor) -> int:
         from liger_dspine.models.deepseek_v3 import head_groups
@@ -207,7 +220,7 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         batch_size, _, seq_length, _ = k_rot.shape
         kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
         k_rot = liger_interleaved_rope_single(k_rot, cos, sin)
-        if _CACHE_UPDATE_TAKES_KWARGS:
+        if self.cache_update_takes_kwargs:
             return cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
         return cache.update(kv_nope, k_rot, self.layer_idx)
 
@@ -219,6 +232,15 @@ class LigerDeepseekV3Attention(DeepseekV3Attention):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         return key_states, value_states
+
+
+class LigerDeepseekV3Attention(LigerMLAAttention, DeepseekV3Attention):
+    """MLA with the interleaved RoPE fused into the query and key assembly; parameters as the native class."""
+
+
+# What the DeepSeek-V3 class read from transformers (see LigerMLAAttention).
+NATIVE_CACHE_ARG = LigerDeepseekV3Attention.native_cache_arg
+LATENT_CACHE = LigerDeepseekV3Attention.latent_cache
 
 
 class LigerDeepseekV3RecomputeAttention(LigerDeepseekV3Attention):

@@ -9,6 +9,9 @@ Two layouts of transformers are covered:
   (like its parent), and ``liger_route_tokens_to_experts`` is the replacement for that method.
 The layout is read from the router instance itself (the newer one sets ``top_k``), not from a version number.
 
+The forward is the mixin :class:`LigerTopkRouter`: models whose router is a copy of DeepSeek-V3's (GLM-4.5,
+GLM-4.7-Flash, dots.llm1, A.X-K1) each get a ``Liger<Native>`` class from it and their own router class.
+
 Numbers equal the native ones up to fp32 rounding; within a token the ``top_k`` entries are ordered by biased
 score, largest first (transformers leaves the order unspecified; the experts combine by weight).
 """
@@ -20,8 +23,9 @@ from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
 
 
-class LigerDeepseekV3TopkRouter(DeepseekV3TopkRouter):
-    """``forward(hidden [..., H]) -> (router_logits [T, E] fp32, topk_weights [T, K] fp32, topk_indices [T, K])``.
+class LigerTopkRouter:
+    """``forward(hidden [..., H]) -> (router_logits [T, E] fp32, topk_weights [T, K] fp32, topk_indices [T, K])``,
+    mixed in before a native router class (DeepSeek-V3's sigmoid + grouped top-k router, or a copy of it).
 
     Same parameters and buffers as the native router (``weight [E, H]``, ``e_score_correction_bias [E]``).
     """
@@ -44,8 +48,12 @@ class LigerDeepseekV3TopkRouter(DeepseekV3TopkRouter):
         return router_logits, topk_weights, topk_indices
 
 
+class LigerDeepseekV3TopkRouter(LigerTopkRouter, DeepseekV3TopkRouter):
+    """DeepSeek-V3's router with the grouped top-k selection in one kernel (see :class:`LigerTopkRouter`)."""
+
+
 def liger_route_tokens_to_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replacement for ``DeepseekV3MoE.route_tokens_to_experts`` of transformers < 5.13.
+    """Replacement for ``DeepseekV3MoE.route_tokens_to_experts`` (and its copies) of transformers < 5.13.
 
     ``router_logits [T, E]`` -> ``(topk_indices [T, K] int64, topk_weights [T, K])``, in that method's order.
     """
