@@ -3,7 +3,8 @@
 :class:`LigerDeepseekV3Attention` computes what transformers' ``DeepseekV3Attention.forward`` computes, with the
 same parameters and ``__init__``, so it can replace the class in ``modeling_deepseek_v3`` or be set as the
 ``__class__`` of a built module. The forward is the mixin :class:`LigerMLAAttention`: the models whose attention is a
-copy of DeepSeek-V3's (GLM-4.7-Flash, A.X-K1, Youtu) each get a ``Liger<Native>`` class from it and their own class. With ``config.rope_interleave`` it replaces, per layer:
+copy of DeepSeek-V3's (GLM-4.7-Flash, A.X-K1, Youtu) each get a ``Liger<Native>`` class from it and their own class.
+With ``config.rope_interleave`` it replaces, per layer:
 
 - the query: split, interleaved RoPE, ``torch.cat((q_pass, q_rot))`` -> one kernel (:func:`liger_mla_query`);
 - the key: interleaved RoPE of the shared ``k_rot``, broadcast to the heads and copy beside ``k_nope``
@@ -86,7 +87,8 @@ class LigerMLAAttention:
             if self.recompute_core and cache is None and torch.is_grad_enabled():
                 run = lambda h: native(h, position_embeddings, attention_mask, **kwargs)  # noqa: E731
                 return checkpoint(run, hidden_states, use_reentrant=False)
-            return native(hidden_states, position_embeddings, attention_mask, **{self.native_cache_arg: cache}, **kwargs)
+            cache_kwarg = {self.native_cache_arg: cache}
+            return native(hidden_states, position_embeddings, attention_mask, **cache_kwarg, **kwargs)
 
         batch_size, seq_length = hidden_states.shape[:-1]
         # The latents: the query's after q_a_layernorm (or the hidden states without q_lora_rank), the key/value's
