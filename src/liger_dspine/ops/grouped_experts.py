@@ -207,7 +207,16 @@ def summed_slots(rows, row_of_slot, scale, dtype: torch.dtype) -> torch.Tensor:
 
 class LigerGroupedExpertsFunction(torch.autograd.Function):
     """(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float, gate_up_proj [E, 2I, H],
-    down_proj [E, H, I]) -> [T, H] in hidden_states' dtype."""
+    down_proj [E, H, I]) -> [T, H] in hidden_states' dtype.
+
+    Forward and backward are each one custom op (opaque to torch.compile: the per-expert loop reads the group
+    bounds on the host, and the grouped GEMM's alignment check reads data pointers)."""
+
+    kernel_ops = (
+        "liger_dspine::grouped_experts",
+        "liger_dspine::grouped_experts_backward",
+        "liger_dspine::grouped_experts_backward_",
+    )
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -217,86 +226,207 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
                 f"liger-dspine: grouped experts need one weight dtype; gate_up_proj is {gate_up_proj.dtype} and "
                 f"down_proj is {down_proj.dtype}"
             )
-        num_tokens, top_k = top_k_index.shape
-        num_experts = gate_up_proj.shape[0]
-        device = hidden_states.device
-        use_torch = use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype)
-
-        with torch.autocast(device.type, enabled=False):
-            # sort the (token, slot) pairs by expert; a stable sort keeps the result independent of the backend
-            sorted_experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-            expert_ids = torch.arange(num_experts, device=device, dtype=sorted_experts.dtype)
-            offsets = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
-            if not use_torch:  # the loop syncs with the host anyway
-                _check_expert_ids(sorted_experts, num_experts)
-            row_of_slot = torch.empty_like(perm)  # inverse permutation: sorted row of flat slot t * K + k
-            row_of_slot[perm] = torch.arange(perm.numel(), device=device)
-            groups = ExpertGroups(offsets, use_torch)
-
-            x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
-            gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
-            del x_sorted
-            act = silu_mul_rows(gate_up) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up)  # [S, I]
-            y = groups.rows_mm(act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
-            del act
-            slot_weights = top_k_weights.to(wide(top_k_weights.dtype))
-            out = summed_slots(y, row_of_slot.view(num_tokens, top_k), slot_weights, hidden_states.dtype)
-
-        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
+        out, perm, row_of_slot, offsets, gate_up = _grouped_experts(
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype
+        )
+        saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
+        ctx.save_for_backward(*saved)
         ctx.gemm_dtype = dtype
-        ctx.groups = groups  # the backward's grouped GEMMs use the same groups (the loop's bounds read once)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows a single unpack
-        hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = saved
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
-        grad_x = grad_weights = grad_gate_up = grad_down = None
-        dtype = ctx.gemm_dtype
-        num_tokens, top_k = top_k_weights.shape
-        token_of_row = perm // top_k
-        slots = row_of_slot.view(num_tokens, top_k)
-
-        with torch.autocast(grad_out.device.type, enabled=False):
-            groups = ctx.groups
-            weight_of_row = top_k_weights.reshape(-1)[perm].to(wide(top_k_weights.dtype))[:, None]  # [S, 1]
-            fused = (need_x or need_weights or need_gate_up) and weight_of_row.dtype == torch.float32
-            if fused and silu_mul_rows_supported(gate_up):
-                return _fused_backward(ctx, saved, grad_out, weight_of_row)
-            act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
-            grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
-            if need_down:
-                # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
-                grad_down = groups.weight_grad(grad_sorted.t(), scaled_rows(act, weight_of_row, dtype))
-                grad_down = grad_down.to(down_proj.dtype)
-            if not (need_x or need_weights or need_gate_up):
-                return None, None, None, None, grad_down
-
-            g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
-            del grad_sorted
-            if need_weights:
-                # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
-                grad_of_row = row_dot(g, act)
-                grad_weights = grad_of_row[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
-            del act
-            if not (need_x or need_gate_up):
-                return None, None, grad_weights, None, grad_down
-
-            d_gate_up = silu_mul_backward(gate_up, g, weight_of_row)  # [S, 2I], from d act = w * g
-            del g
-            grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
-            del d_gate_up
-            if d_x_sorted is not None:
-                grad_x = summed_slots(d_x_sorted, slots, None, hidden_states.dtype)
-
+        args = (grad_out, *saved, ctx.gemm_dtype, need_x, need_weights, need_gate_up, need_down)
+        # Eager: the fused backward writes d gate_up over the saved gate_up output (its version is bumped, so a second
+        # backward fails loudly). Compiled: a new buffer, as functionalisation would make one anyway.
+        if torch.compiler.is_compiling():
+            grads = _grouped_experts_backward(*args)
+        else:
+            grads = _grouped_experts_backward_(*args)
+        grad_x, grad_weights, grad_gate_up, grad_down = (
+            grad if need else None for grad, need in zip(grads, (need_x, need_weights, need_gate_up, need_down))
+        )
         return grad_x, None, grad_weights, grad_gate_up, grad_down
 
 
-def _fused_backward(ctx, saved, grad_out, weight_of_row):
+def _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype):
+    """(out [T, H], perm [S], row_of_slot [S], offsets [E] int32, gate_up [S, 2I]) without values."""
+    slots = top_k_index.numel()
+    device = hidden_states.device
+    return (
+        hidden_states.new_empty(hidden_states.shape),
+        torch.empty(slots, dtype=torch.int64, device=device),
+        torch.empty(slots, dtype=torch.int64, device=device),
+        torch.empty(gate_up_proj.shape[0], dtype=torch.int32, device=device),
+        torch.empty(slots, gate_up_proj.shape[1], dtype=dtype, device=device),
+    )
+
+
+@torch.library.custom_op("liger_dspine::grouped_experts", mutates_args=())
+def _grouped_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward: (out [T, H], perm [S], row_of_slot [S], offsets [E] int32, gate_up [S, 2I]); the last four are
+    what the backward needs."""
+    num_tokens, top_k = top_k_index.shape
+    num_experts = gate_up_proj.shape[0]
+    device = hidden_states.device
+    use_torch = use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype)
+
+    with torch.autocast(device.type, enabled=False):
+        # sort the (token, slot) pairs by expert; a stable sort keeps the result independent of the backend
+        sorted_experts, perm = torch.sort(top_k_index.reshape(-1).to(torch.int64), stable=True)
+        expert_ids = torch.arange(num_experts, device=device, dtype=sorted_experts.dtype)
+        offsets = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
+        if not use_torch:  # the loop syncs with the host anyway
+            _check_expert_ids(sorted_experts, num_experts)
+        row_of_slot = torch.empty_like(perm)  # inverse permutation: sorted row of flat slot t * K + k
+        row_of_slot[perm] = torch.arange(perm.numel(), device=device)
+        groups = ExpertGroups(offsets, use_torch)
+
+        x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
+        gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
+        del x_sorted
+        act = silu_mul_rows(gate_up) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up)  # [S, I]
+        y = groups.rows_mm(act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
+        del act
+        slot_weights = top_k_weights.to(wide(top_k_weights.dtype))
+        out = summed_slots(y, row_of_slot.view(num_tokens, top_k), slot_weights, hidden_states.dtype)
+    return out, perm, row_of_slot, offsets, gate_up
+
+
+@_grouped_experts.register_fake
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype):
+    return _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
+
+
+class _BackwardContext:
+    """What the backward helpers read: the input-gradient flags, the expert groups and the GEMM dtype."""
+
+    def __init__(self, needs_input_grad, groups, gemm_dtype):
+        self.needs_input_grad, self.groups, self.gemm_dtype = needs_input_grad, groups, gemm_dtype
+
+
+def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up,
+              dtype, need_x, need_weights, need_gate_up, need_down, in_place):  # fmt: skip
+    """(grad_x, grad_weights, grad_gate_up, grad_down), each None when not needed. ``in_place``: the fused path
+    may write d gate_up over ``gate_up``."""
+    groups = ExpertGroups(offsets, use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype))
+    ctx = _BackwardContext((need_x, False, need_weights, need_gate_up, need_down), groups, dtype)
+    saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
+    grad_x = grad_weights = grad_gate_up = grad_down = None
+    num_tokens, top_k = top_k_weights.shape
+    token_of_row = perm // top_k
+    slots = row_of_slot.view(num_tokens, top_k)
+
+    with torch.autocast(grad_out.device.type, enabled=False):
+        weight_of_row = top_k_weights.reshape(-1)[perm].to(wide(top_k_weights.dtype))[:, None]  # [S, 1]
+        fused = (need_x or need_weights or need_gate_up) and weight_of_row.dtype == torch.float32
+        if fused and silu_mul_rows_supported(gate_up):
+            return _fused_backward(ctx, saved, grad_out, weight_of_row, in_place)
+        act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
+        grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
+        if need_down:
+            # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
+            grad_down = groups.weight_grad(grad_sorted.t(), scaled_rows(act, weight_of_row, dtype))
+            grad_down = grad_down.to(down_proj.dtype)
+        if not (need_x or need_weights or need_gate_up):
+            return None, None, None, grad_down
+
+        g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
+        del grad_sorted
+        if need_weights:
+            # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
+            grad_of_row = row_dot(g, act)
+            grad_weights = grad_of_row[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
+        del act
+        if not (need_x or need_gate_up):
+            return None, grad_weights, None, grad_down
+
+        d_gate_up = silu_mul_backward(gate_up, g, weight_of_row)  # [S, 2I], from d act = w * g
+        del g
+        grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
+        del d_gate_up
+        if d_x_sorted is not None:
+            grad_x = summed_slots(d_x_sorted, slots, None, hidden_states.dtype)
+    return grad_x, grad_weights, grad_gate_up, grad_down
+
+
+def _backward_outputs(grads, like: torch.Tensor):
+    """The four gradients with an empty [0] tensor for each one not computed (custom ops return tensors)."""
+    return tuple(like.new_empty(0) if g is None else g for g in grads)
+
+
+def _backward_fake(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets,
+                   gate_up, dtype, need_x, need_weights, need_gate_up, need_down):  # fmt: skip
+    shapes = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    needs = (need_x, need_weights, need_gate_up, need_down)
+    return tuple(
+        torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else hidden_states.new_empty(0)
+        for t, need in zip(shapes, needs)
+    )
+
+
+@torch.library.custom_op("liger_dspine::grouped_experts_backward", mutates_args=())
+def _grouped_experts_backward(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    perm: torch.Tensor,
+    row_of_slot: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    dtype: torch.dtype,
+    need_x: bool,
+    need_weights: bool,
+    need_gate_up: bool,
+    need_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weights, grad_gate_up, grad_down); an empty [0] tensor for each one not needed."""
+    args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
+    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, in_place=False)
+    return _backward_outputs(grads, hidden_states)
+
+
+@torch.library.custom_op("liger_dspine::grouped_experts_backward_", mutates_args=("gate_up",))
+def _grouped_experts_backward_(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    perm: torch.Tensor,
+    row_of_slot: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    dtype: torch.dtype,
+    need_x: bool,
+    need_weights: bool,
+    need_gate_up: bool,
+    need_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_grouped_experts_backward` that may write d gate_up over the saved ``gate_up``."""
+    args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
+    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, in_place=True)
+    return _backward_outputs(grads, hidden_states)
+
+
+_grouped_experts_backward.register_fake(_backward_fake)
+_grouped_experts_backward_.register_fake(_backward_fake)
+
+
+def _fused_backward(ctx, saved, grad_out, weight_of_row, in_place):
     """The backward with the elementwise math in one Triton pass (:mod:`liger_dspine.ops.silu_mul_rows`), which
-    writes d gate_up over the saved gate_up output (its version is bumped, so a second backward fails loudly).
-    ``saved``: ``ctx.saved_tensors`` as the caller unpacked it."""
+    writes d gate_up over the saved gate_up output with ``in_place``. ``saved``: the tensors the forward saved."""
     hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up = saved
     _, _, need_weights, _, need_down = ctx.needs_input_grad
     grad_x = grad_weights = grad_down = None
@@ -307,9 +437,8 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row):
     grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
     g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
     d_gate_up, dots, scaled = silu_mul_rows_backward(
-        gate_up, g, weight_of_row, row_dot=need_weights, scaled_act=need_down, in_place=True
+        gate_up, g, weight_of_row, row_dot=need_weights, scaled_act=need_down, in_place=in_place
     )
-    torch.autograd.graph.increment_version(gate_up)
     del g
     if need_down:
         # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
@@ -322,7 +451,7 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row):
     del d_gate_up
     if d_x_sorted is not None:
         grad_x = summed_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k), None, hidden_states.dtype)
-    return grad_x, None, grad_weights, grad_gate_up, grad_down
+    return grad_x, grad_weights, grad_gate_up, grad_down
 
 
 def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row):
@@ -339,9 +468,6 @@ def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of
     return grad_gate_up, d_x_sorted
 
 
-# torch.compile runs the op as it is (a graph break on each side): its grouped GEMMs' layout checks and the host
-# reads of the CPU loop do not trace.
-@torch.compiler.disable
 def liger_grouped_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,

@@ -288,14 +288,15 @@ def _launch(
     )
 
 
-def _heads_view(batch: int, heads: int, seq_len: int, width: int, like: torch.Tensor) -> torch.Tensor:
-    """A new [B, H, S, D] tensor stored position-major ([B, S, H, D] memory), the layout attention kernels keep for
-    their output: the attention output then reshapes to [B, S, H * D] for ``o_proj`` without a copy."""
-    return torch.empty((batch, seq_len, heads, width), dtype=like.dtype, device=like.device).transpose(1, 2)
+def _heads_layout(batch: int, heads: int, seq_len: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides of a [B, H, S, D] tensor stored position-major ([B, S, H, D] memory), the layout attention
+    kernels keep for their output: the attention output then reshapes to [B, S, H * D] for ``o_proj`` without a
+    copy. Allocated with ``empty_strided``, so the tensor is not a view of another."""
+    return (batch, heads, seq_len, width), (seq_len * heads * width, width, heads * width, 1)
 
 
-def _empty_like_layout(shape, strides, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
+def _empty_layout(shape, strides, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=like.dtype, device=like.device)
 
 
 def _dense_layout(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -315,8 +316,148 @@ def _check_constant_angles(cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise NotImplementedError("liger-dspine: interleaved RoPE gives no gradient to cos/sin; detach them first")
 
 
+# The kernel launches as torch custom ops: opaque to torch.compile, with fake implementations that give the outputs'
+# shapes and strides without launching anything. Each output is a new tensor (empty_strided, not a view).
+
+
+@torch.library.custom_op("liger_dspine::rope_rotate", mutates_args=())
+def _rope_rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    nope: int,
+    inverse: bool,
+    out_shape: list[int],
+    out_strides: list[int],
+) -> torch.Tensor:
+    """x [B, H, S, nope + R] -> a new tensor of the given layout: the first ``nope`` columns copied, the last R
+    turned (by -angle with ``inverse``, from split halves to pairs)."""
+    out = _empty_layout(out_shape, out_strides, x)
+    batch, heads, seq_len, _ = x.shape
+    _launch(
+        batch=batch,
+        seq_len=seq_len,
+        num_heads=heads,
+        pass_src=x[..., :nope] if nope else None,
+        pass_dst=out[..., :nope] if nope else None,
+        rot_src=x[..., nope:],
+        rot_dst=out[..., nope:],
+        cos=cos,
+        sin=sin,
+        inverse=inverse,
+        rot_mode=_ROT_PER_HEAD,
+    )
+    return out
+
+
+@_rope_rotate.register_fake
+def _(x, cos, sin, nope, inverse, out_shape, out_strides):
+    return _empty_layout(out_shape, out_strides, x)
+
+
+@torch.library.custom_op("liger_dspine::rope_unrotate_", mutates_args=("x",))
+def _rope_unrotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int) -> None:
+    """Turn the last R columns of x [B, H, S, nope + R] back by -angle, in place, through a buffer of their size."""
+    batch, heads, seq_len, _ = x.shape
+    rope = x[..., nope:]
+    turned = _empty_layout(*_heads_layout(batch, heads, seq_len, rope.shape[-1]), rope)  # rope's position-major order
+    _launch(
+        batch=batch,
+        seq_len=seq_len,
+        num_heads=heads,
+        rot_src=rope,
+        rot_dst=turned,
+        cos=cos,
+        sin=sin,
+        inverse=True,
+        rot_mode=_ROT_PER_HEAD,
+    )
+    rope.copy_(turned)
+
+
+@_rope_unrotate_.register_fake
+def _(x, cos, sin, nope):
+    return None
+
+
+@torch.library.custom_op("liger_dspine::mla_key", mutates_args=())
+def _mla_key(
+    kv: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, nope: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [B, H, S, nope + V], k_rot [B, 1, S, R] -> new key [B, H, S, nope + R] and value [B, H, S, V], both
+    position-major."""
+    key, value = _mla_key_fake(kv, k_rot, cos, sin, nope)
+    batch, heads, seq_len, _ = kv.shape
+    _launch(
+        batch=batch,
+        seq_len=seq_len,
+        num_heads=heads,
+        pass_src=kv[..., :nope],
+        pass_dst=key[..., :nope],
+        extra_src=kv[..., nope:],
+        extra_dst=value,
+        rot_src=k_rot,
+        rot_dst=key[..., nope:],
+        cos=cos,
+        sin=sin,
+        inverse=False,
+        rot_mode=_ROT_BROADCAST,
+    )
+    return key, value
+
+
+@_mla_key.register_fake
+def _mla_key_fake(kv, k_rot, cos, sin, nope):
+    batch, heads, seq_len, width = kv.shape
+    key = _empty_layout(*_heads_layout(batch, heads, seq_len, nope + k_rot.shape[-1]), kv)
+    value = _empty_layout(*_heads_layout(batch, heads, seq_len, width - nope), kv)
+    return key, value
+
+
+@torch.library.custom_op("liger_dspine::mla_key_backward", mutates_args=())
+def _mla_key_backward(
+    grad_key: torch.Tensor,
+    grad_value: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    nope: int,
+    kv_shape: list[int],
+    kv_strides: list[int],
+    k_rot_shape: list[int],
+    k_rot_strides: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of kv (key and value parts) and of k_rot (summed over heads), in the given layouts."""
+    grad_kv, grad_k_rot = _mla_key_backward_fake(
+        grad_key, grad_value, cos, sin, nope, kv_shape, kv_strides, k_rot_shape, k_rot_strides
+    )
+    batch, heads, seq_len, _ = grad_key.shape
+    _launch(
+        batch=batch,
+        seq_len=seq_len,
+        num_heads=heads,
+        pass_src=grad_key[..., :nope],
+        pass_dst=grad_kv[..., :nope],
+        extra_src=grad_value,
+        extra_dst=grad_kv[..., nope:],
+        rot_src=grad_key[..., nope:],
+        rot_dst=grad_k_rot,
+        cos=cos,
+        sin=sin,
+        inverse=True,
+        rot_mode=_ROT_REDUCE,
+    )
+    return grad_kv, grad_k_rot
+
+
+@_mla_key_backward.register_fake
+def _mla_key_backward_fake(grad_key, grad_value, cos, sin, nope, kv_shape, kv_strides, k_rot_shape, k_rot_strides):
+    return _empty_layout(kv_shape, kv_strides, grad_key), _empty_layout(k_rot_shape, k_rot_strides, grad_key)
+
+
 class LigerInterleavedRopeFunction(torch.autograd.Function):
     """x [B, H, S, R] -> turned x [B, H, S, R] (contiguous), the layout of transformers' interleaved RoPE."""
+
+    kernel_ops = ("liger_dspine::rope_rotate",)
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -325,18 +466,8 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
         x = _last_dim_unit(x)
         cos = _angles(cos, batch, seq_len, width // 2)
         sin = _angles(sin, batch, seq_len, width // 2)
-        out = torch.empty((batch, heads, seq_len, width), dtype=x.dtype, device=x.device)
-        _launch(
-            batch=batch,
-            seq_len=seq_len,
-            num_heads=heads,
-            rot_src=x,
-            rot_dst=out,
-            cos=cos,
-            sin=sin,
-            inverse=False,
-            rot_mode=_ROT_PER_HEAD,
-        )
+        contiguous = (heads * seq_len * width, seq_len * width, width, 1)
+        out = _rope_rotate(x, cos, sin, 0, False, list(x.shape), list(contiguous))
         ctx.save_for_backward(cos, sin)
         ctx.grad_layout = _dense_layout(x)
         return out
@@ -345,24 +476,14 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         cos, sin = ctx.saved_tensors
         grad_out = _last_dim_unit(grad_out)
-        batch, heads, seq_len, _ = grad_out.shape
-        grad_x = _empty_like_layout(*ctx.grad_layout, grad_out)
-        _launch(
-            batch=batch,
-            seq_len=seq_len,
-            num_heads=heads,
-            rot_src=grad_out,
-            rot_dst=grad_x,
-            cos=cos,
-            sin=sin,
-            inverse=True,
-            rot_mode=_ROT_PER_HEAD,
-        )
-        return grad_x, None, None
+        shape, strides = ctx.grad_layout
+        return _rope_rotate(grad_out, cos, sin, 0, True, list(shape), list(strides)), None, None
 
 
 class LigerMLAQueryFunction(torch.autograd.Function):
     """q_states [B, H, S, nope + R] -> query [B, H, S, nope + R] ([B, S, H, D] memory), rope part turned."""
+
+    kernel_ops = ("liger_dspine::rope_rotate", "liger_dspine::rope_unrotate_")
 
     @staticmethod
     def forward(ctx, q_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -374,20 +495,8 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         q_states = _last_dim_unit(q_states)
         cos = _angles(cos, batch, seq_len, rope_dim // 2)
         sin = _angles(sin, batch, seq_len, rope_dim // 2)
-        query = _heads_view(batch, heads, seq_len, width, q_states)
-        _launch(
-            batch=batch,
-            seq_len=seq_len,
-            num_heads=heads,
-            pass_src=q_states[..., :nope] if nope else None,
-            pass_dst=query[..., :nope] if nope else None,
-            rot_src=q_states[..., nope:],
-            rot_dst=query[..., nope:],
-            cos=cos,
-            sin=sin,
-            inverse=False,
-            rot_mode=_ROT_PER_HEAD,
-        )
+        shape, strides = _heads_layout(batch, heads, seq_len, width)
+        query = _rope_rotate(q_states, cos, sin, nope, False, list(shape), list(strides))
         ctx.save_for_backward(cos, sin)
         ctx.nope = nope
         ctx.grad_layout = _dense_layout(q_states)
@@ -398,41 +507,14 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         nope = ctx.nope
         grad_query = _last_dim_unit(grad_query)
-        batch, heads, seq_len, _ = grad_query.shape
         if (tuple(grad_query.shape), grad_query.stride()) == ctx.grad_layout:
             # The incoming gradient already has q_states' layout (attention kernels give it the query's): the
-            # pass columns are right as they are, only the rope columns are turned back, through a buffer of
-            # their size, instead of a new gradient of the whole query.
-            rope = grad_query[..., nope:]
-            turned = _heads_view(batch, heads, seq_len, rope.shape[-1], rope)  # rope's position-major order
-            _launch(
-                batch=batch,
-                seq_len=seq_len,
-                num_heads=heads,
-                rot_src=rope,
-                rot_dst=turned,
-                cos=cos,
-                sin=sin,
-                inverse=True,
-                rot_mode=_ROT_PER_HEAD,
-            )
-            rope.copy_(turned)
+            # pass columns are right as they are, only the rope columns are turned back, in place, instead of
+            # writing a new gradient of the whole query.
+            _rope_unrotate_(grad_query, cos, sin, nope)
             return grad_query, None, None, None
-        grad_q = _empty_like_layout(*ctx.grad_layout, grad_query)
-        _launch(
-            batch=batch,
-            seq_len=seq_len,
-            num_heads=heads,
-            pass_src=grad_query[..., :nope] if nope else None,
-            pass_dst=grad_q[..., :nope] if nope else None,
-            rot_src=grad_query[..., nope:],
-            rot_dst=grad_q[..., nope:],
-            cos=cos,
-            sin=sin,
-            inverse=True,
-            rot_mode=_ROT_PER_HEAD,
-        )
-        return grad_q, None, None, None
+        shape, strides = ctx.grad_layout
+        return _rope_rotate(grad_query, cos, sin, nope, True, list(shape), list(strides)), None, None, None
 
 
 class LigerMLAKeyFunction(torch.autograd.Function):
@@ -442,6 +524,8 @@ class LigerMLAKeyFunction(torch.autograd.Function):
 
     ``cos``/``sin`` None: ``k_rot`` is already turned (read back from a cache) and is only broadcast.
     """
+
+    kernel_ops = ("liger_dspine::mla_key", "liger_dspine::mla_key_backward")
 
     @staticmethod
     def forward(ctx, kv, k_rot, cos, sin, nope_dim: int):
@@ -457,23 +541,7 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         if cos is not None:
             cos = _angles(cos, batch, seq_len, rope_dim // 2)
             sin = _angles(sin, batch, seq_len, rope_dim // 2)
-        key = _heads_view(batch, heads, seq_len, nope_dim + rope_dim, kv)
-        value = _heads_view(batch, heads, seq_len, width - nope_dim, kv)
-        _launch(
-            batch=batch,
-            seq_len=seq_len,
-            num_heads=heads,
-            pass_src=kv[..., :nope_dim],
-            pass_dst=key[..., :nope_dim],
-            extra_src=kv[..., nope_dim:],
-            extra_dst=value,
-            rot_src=k_rot,
-            rot_dst=key[..., nope_dim:],
-            cos=cos,
-            sin=sin,
-            inverse=False,
-            rot_mode=_ROT_BROADCAST,
-        )
+        key, value = _mla_key(kv, k_rot, cos, sin, nope_dim)
         if cos is not None:
             ctx.save_for_backward(cos, sin)
         ctx.rotated = cos is not None
@@ -485,27 +553,13 @@ class LigerMLAKeyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
         cos, sin = ctx.saved_tensors if ctx.rotated else (None, None)
-        nope = ctx.nope
         grad_key = _last_dim_unit(grad_key)
         grad_value = _last_dim_unit(grad_value)
-        batch, heads, seq_len, _ = grad_key.shape
-        grad_kv = _empty_like_layout(*ctx.kv_layout, grad_key)
-        grad_k_rot = _empty_like_layout(*ctx.k_rot_layout, grad_key)
-        _launch(
-            batch=batch,
-            seq_len=seq_len,
-            num_heads=heads,
-            pass_src=grad_key[..., :nope],
-            pass_dst=grad_kv[..., :nope],
-            extra_src=grad_value,
-            extra_dst=grad_kv[..., nope:],
-            rot_src=grad_key[..., nope:],
-            rot_dst=grad_k_rot,
-            cos=cos,
-            sin=sin,
-            inverse=True,
-            rot_mode=_ROT_REDUCE,
-        )
+        (kv_shape, kv_strides), (k_rot_shape, k_rot_strides) = ctx.kv_layout, ctx.k_rot_layout
+        grad_kv, grad_k_rot = _mla_key_backward(
+            grad_key, grad_value, cos, sin, ctx.nope, list(kv_shape), list(kv_strides), list(k_rot_shape),
+            list(k_rot_strides),
+        )  # fmt: skip
         return grad_kv, grad_k_rot, None, None, None
 
 

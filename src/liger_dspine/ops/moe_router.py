@@ -227,23 +227,35 @@ def moe_router_forward(
             f"liger-dspine: router_logits must be a 2-D fp32 tensor, "
             f"got {tuple(router_logits.shape)} {router_logits.dtype}"
         )
-    num_tokens, num_experts = router_logits.shape
+    num_experts = router_logits.shape[1]
     if bias.shape != (num_experts,):
         raise ValueError(
             f"liger-dspine: e_score_correction_bias must have shape ({num_experts},), got {tuple(bias.shape)}"
         )
     _check_config(num_experts, top_k, n_group, topk_group)
     check_kernel_device(router_logits, "the MoE router kernel")
-    router_logits = router_logits.contiguous()
-    bias = bias.to(device=router_logits.device, dtype=torch.float32).contiguous()
+    bias = bias.to(device=router_logits.device, dtype=torch.float32)
+    return _moe_router_select(
+        router_logits, bias, top_k, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor)
+    )
 
-    weights = router_logits.new_empty(num_tokens, top_k)
-    indices = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    topk_scores = router_logits.new_empty(num_tokens, top_k)
-    nan_counts = torch.empty(num_tokens, dtype=torch.int32, device=router_logits.device)
+
+@torch.library.custom_op("liger_dspine::moe_router_select", mutates_args=())
+def _moe_router_select(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel's launch (inputs checked by :func:`moe_router_forward`)."""
+    weights, indices, topk_scores, nan_counts = _select_fake(router_logits, bias, top_k)
+    num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
         return weights, indices, topk_scores, nan_counts
-
+    router_logits, bias = router_logits.contiguous(), bias.contiguous()
     group_size = num_experts // n_group
     block_g = triton.next_power_of_2(n_group)
     block_s = triton.next_power_of_2(group_size)
@@ -256,19 +268,29 @@ def moe_router_forward(
         topk_scores,
         nan_counts,
         num_tokens,
-        float(routed_scaling_factor),
+        routed_scaling_factor,
         NUM_EXPERTS=num_experts,
         NUM_GROUPS=n_group,
         GROUP_SIZE=group_size,
         TOPK_GROUP=topk_group,
         TOP_K=top_k,
-        NORMALIZE=bool(norm_topk_prob),
+        NORMALIZE=norm_topk_prob,
         BLOCK_T=block_t,
         BLOCK_G=block_g,
         BLOCK_S=block_s,
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
     )
+    return weights, indices, topk_scores, nan_counts
+
+
+@_moe_router_select.register_fake
+def _select_fake(router_logits, bias, top_k, *_):
+    num_tokens = router_logits.shape[0]
+    weights = router_logits.new_empty(num_tokens, top_k)
+    indices = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    topk_scores = router_logits.new_empty(num_tokens, top_k)
+    nan_counts = torch.empty(num_tokens, dtype=torch.int32, device=router_logits.device)
     return weights, indices, topk_scores, nan_counts
 
 
@@ -282,25 +304,46 @@ def moe_router_backward(
     routed_scaling_factor: float,
 ) -> torch.Tensor:
     """Gradient of the router logits ``[T, E]`` fp32 from the gradient of ``topk_weights [T, K]``."""
-    num_tokens, top_k = topk_scores.shape
     check_kernel_device(topk_scores, "the MoE router backward kernel")
-    grad_weights = grad_weights.to(torch.float32).contiguous()
+    return _moe_router_select_backward(
+        grad_weights.to(torch.float32),
+        topk_scores,
+        topk_indices,
+        nan_counts,
+        num_experts,
+        bool(norm_topk_prob),
+        float(routed_scaling_factor),
+    )
+
+
+@torch.library.custom_op("liger_dspine::moe_router_select_backward", mutates_args=())
+def _moe_router_select_backward(
+    grad_weights: torch.Tensor,
+    topk_scores: torch.Tensor,
+    topk_indices: torch.Tensor,
+    nan_counts: torch.Tensor,
+    num_experts: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
+    """The backward kernel's launch: a new [T, E] fp32 gradient, written densely."""
+    num_tokens, top_k = topk_scores.shape
     grad_logits = topk_scores.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return grad_logits
     block_e = triton.next_power_of_2(num_experts)
     block_t = _tokens_per_program(block_e, _BACKWARD_TILE)
     _moe_router_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
-        grad_weights,
+        grad_weights.contiguous(),
         topk_scores,
         topk_indices,
         nan_counts,
         grad_logits,
         num_tokens,
-        float(routed_scaling_factor),
+        routed_scaling_factor,
         NUM_EXPERTS=num_experts,
         TOP_K=top_k,
-        NORMALIZE=bool(norm_topk_prob),
+        NORMALIZE=norm_topk_prob,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
@@ -309,8 +352,15 @@ def moe_router_backward(
     return grad_logits
 
 
+@_moe_router_select_backward.register_fake
+def _(grad_weights, topk_scores, topk_indices, nan_counts, num_experts, norm_topk_prob, routed_scaling_factor):
+    return topk_scores.new_empty(topk_scores.shape[0], num_experts)
+
+
 class LigerMoeRouterFunction(torch.autograd.Function):
     """``(router_logits [T, E] fp32, bias [E], ...) -> (topk_weights [T, K] fp32, topk_indices [T, K] int64)``."""
+
+    kernel_ops = ("liger_dspine::moe_router_select", "liger_dspine::moe_router_select_backward")
 
     @staticmethod
     def forward(ctx, router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
@@ -375,6 +425,8 @@ class LigerRouterLogitsFunction(torch.autograd.Function):
     Same GEMMs as the native code, but it keeps ``hidden`` in its own dtype for the backward and casts it again
     there, instead of holding an fp32 copy ([T, H] x 4 bytes) between forward and backward.
     """
+
+    kernel_ops = ()  # torch ops only
 
     @staticmethod
     def forward(ctx, hidden_states, weight):

@@ -145,11 +145,21 @@ def _check(gate_up: torch.Tensor, what: str) -> None:
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 and rounded once."""
     _check(gate_up, "SiLU-mul rows")
+    return _silu_mul_rows(gate_up)
+
+
+@torch.library.custom_op("liger_dspine::silu_mul_rows", mutates_args=())
+def _silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     act = gate_up.new_empty(rows, half)
     if rows and half:
         _silu_mul_rows_kernel[(rows,)](gate_up, act, half, gate_up.stride(0), act.stride(0), **_launch_options(half))
     return act
+
+
+@_silu_mul_rows.register_fake
+def _(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
 def silu_mul_rows_backward(
@@ -175,11 +185,25 @@ def silu_mul_rows_backward(
         raise ValueError(f"liger-dspine: SiLU-mul rows backward needs {rows} row weights, got {weight_of_row.numel()}")
     g = g if g.stride(-1) == 1 else g.contiguous()
     weight_of_row = weight_of_row.reshape(-1).contiguous()
+    if in_place:
+        dots, scaled = _silu_mul_rows_backward_(gate_up, g, weight_of_row, row_dot, scaled_act)
+        d_gate_up = gate_up
+    else:
+        d_gate_up, dots, scaled = _silu_mul_rows_backward(gate_up, g, weight_of_row, row_dot, scaled_act)
+    return d_gate_up, dots if row_dot else None, scaled if scaled_act else None
 
-    d_gate_up = gate_up if in_place else torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+
+def _backward_outputs(gate_up: torch.Tensor, row_dot: bool, scaled_act: bool):
+    """(dots [S] fp32, scaled [S, I]), each empty ([0]) when not asked for."""
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     # every row is written, or (I = 0) the dot of empty rows is 0
-    dots = (torch.empty if half else torch.zeros)(rows, dtype=torch.float32, device=gate_up.device) if row_dot else None
-    scaled = gate_up.new_empty(rows, half) if scaled_act else None
+    dots = (torch.empty if half else torch.zeros)(rows if row_dot else 0, dtype=torch.float32, device=gate_up.device)
+    scaled = gate_up.new_empty(rows, half) if scaled_act else gate_up.new_empty(0)
+    return dots, scaled
+
+
+def _launch_backward(gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot: bool, scaled_act: bool) -> None:
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     if rows and half:
         _silu_mul_rows_backward_kernel[(rows,)](
             gate_up,
@@ -197,4 +221,36 @@ def silu_mul_rows_backward(
             SCALED_ACT=scaled_act,
             **_launch_options(half),
         )
+
+
+@torch.library.custom_op("liger_dspine::silu_mul_rows_backward", mutates_args=())
+def _silu_mul_rows_backward(
+    gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor, row_dot: bool, scaled_act: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gate_up, dots, scaled), d_gate_up in a new buffer; dots / scaled empty when not asked for."""
+    d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    dots, scaled = _backward_outputs(gate_up, row_dot, scaled_act)
+    _launch_backward(gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot, scaled_act)
     return d_gate_up, dots, scaled
+
+
+@_silu_mul_rows_backward.register_fake
+def _(gate_up, g, weight_of_row, row_dot, scaled_act):
+    return torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device), *_backward_outputs(
+        gate_up, row_dot, scaled_act
+    )
+
+
+@torch.library.custom_op("liger_dspine::silu_mul_rows_backward_", mutates_args=("gate_up",))
+def _silu_mul_rows_backward_(
+    gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor, row_dot: bool, scaled_act: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same with d_gate_up written over gate_up (its version is bumped); returns (dots, scaled)."""
+    dots, scaled = _backward_outputs(gate_up, row_dot, scaled_act)
+    _launch_backward(gate_up, g, weight_of_row, gate_up, dots, scaled, row_dot, scaled_act)
+    return dots, scaled
+
+
+@_silu_mul_rows_backward_.register_fake
+def _(gate_up, g, weight_of_row, row_dot, scaled_act):
+    return _backward_outputs(gate_up, row_dot, scaled_act)

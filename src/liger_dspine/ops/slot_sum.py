@@ -60,17 +60,23 @@ def slot_sum(
 ) -> torch.Tensor:
     """rows [S, H], row_of_slot [T, K] (ids in [0, S)), scale [T, K] fp32 or None -> [T, H] in ``out_dtype``."""
     check_kernel_device(rows, "slot sum")
+    return _slot_sum(rows, row_of_slot.contiguous(), scale.contiguous() if scale is not None else None, out_dtype)
+
+
+@torch.library.custom_op("liger_dspine::slot_sum", mutates_args=())
+def _slot_sum(
+    rows: torch.Tensor, row_of_slot: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
     num_tokens, top_k = row_of_slot.shape
     width = rows.shape[1]
     out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
     if num_tokens == 0 or width == 0:
         return out
-    slot_rows = row_of_slot.contiguous()
     scaled = scale is not None
     _slot_sum_kernel[(num_tokens, triton.cdiv(width, _BLOCK))](
         rows,
-        slot_rows,
-        scale.contiguous() if scaled else slot_rows,
+        row_of_slot,
+        scale if scaled else row_of_slot,
         out,
         width,
         rows.stride(0),
@@ -80,3 +86,8 @@ def slot_sum(
         num_warps=4,
     )
     return out
+
+
+@_slot_sum.register_fake
+def _(rows, row_of_slot, scale, out_dtype):
+    return torch.empty(row_of_slot.shape[0], rows.shape[1], dtype=out_dtype, device=rows.device)
