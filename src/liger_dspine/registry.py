@@ -2,8 +2,13 @@
 
 import logging
 
+from liger_dspine.models.axk1.apply import apply_liger_kernel_to_axk1
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
+from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe
+from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite
+from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu
 from liger_dspine.patching import check_options
 
 logger = logging.getLogger(__name__)
@@ -11,7 +16,40 @@ logger = logging.getLogger(__name__)
 MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "deepseek_v3": apply_liger_kernel_to_deepseek_v3,
     "dspine": apply_liger_kernel_to_dspine,
+    # models whose modeling files copy DeepSeek-V3's classes (models/deepseek_v3/family.py)
+    "axk1": apply_liger_kernel_to_axk1,
+    "dots1": apply_liger_kernel_to_dots1,
+    "glm4_moe": apply_liger_kernel_to_glm4_moe,
+    "glm4_moe_lite": apply_liger_kernel_to_glm4_moe_lite,
+    # its config builds DeepseekV3ForCausalLM (transformers has no modeling file for it)
+    "sarvam_mla": apply_liger_kernel_to_deepseek_v3,
+    "youtu": apply_liger_kernel_to_youtu,
 }
+
+# Model types built partly from DeepSeek-V3's classes that no patch here serves: a lookup names them as such.
+UNSUPPORTED_FAMILY_MEMBERS = (
+    "axk2",
+    "bailing_hybrid",
+    "beam",
+    "deepseek_v2",
+    "deepseek_v32",
+    "deepseek_v4",
+    "dots3_note",
+    "exaone_moe",
+    "glm4v_moe",
+    "glm5_next",
+    "glm_moe_dsa",
+    "hy_v3",
+    "hy_v4",
+    "kimi_linear",
+    "kolibri1",
+    "longcat_flash",
+    "mimo_v2_flash",
+    "minicpm3",
+    "mistral4",
+    "mistral_large4",
+    "muse_spark",
+)
 
 
 def apply_fn_for(model_type: str):
@@ -20,6 +58,12 @@ def apply_fn_for(model_type: str):
         return MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
     except KeyError:
         supported = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
+        if model_type in UNSUPPORTED_FAMILY_MEMBERS:
+            raise ValueError(
+                f"liger-dspine: {model_type!r} is built partly from DeepSeek-V3's classes, but it is an unsupported "
+                f"member of that family: its modules differ where the kernels would compute something else. "
+                f"Supported: {supported}"
+            ) from None
         raise ValueError(f"liger-dspine: no patch for model type {model_type!r}; supported: {supported}") from None
 
 

@@ -1,3 +1,4 @@
+import importlib
 import logging
 import os
 import sys
@@ -124,6 +125,7 @@ def v3_options(
 def apply_spec(spec: patching.PatchSpec, options: dict[str, bool], model=None) -> patching.PatchReport:
     """Apply resolved options: the classes of ``spec.module`` without a model, else that instance."""
     require_supported_versions()
+    require_modeling_module(spec)
     if options.get("fused_experts"):
         untuned_fused_moe()
     if model is None:
@@ -141,6 +143,25 @@ def revert_liger_kernel_to_deepseek_v3(model=None) -> list[str]:
     restored. Modules built under a class-level patch are not converted ones: revert the class level and rebuild.
     """
     return patching.revert(DEEPSEEK_V3_SPEC, model)
+
+
+def require_modeling_module(spec: patching.PatchSpec) -> None:
+    """An ImportError naming the model type when this transformers version has no modeling module for it."""
+    try:
+        importlib.import_module(spec.module)
+    except ModuleNotFoundError as error:
+        if not spec.module.startswith(str(error.name)):
+            raise
+        raise ImportError(
+            f"liger-dspine: transformers {transformers_version()} has no {spec.model_type} model ({spec.module}); "
+            "upgrade transformers to patch it"
+        ) from None
+
+
+def transformers_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("transformers")
 
 
 def untuned_fused_moe() -> None:

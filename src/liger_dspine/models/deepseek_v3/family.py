@@ -118,3 +118,10 @@ def swapped_class_names(spec: PatchSpec) -> list[str]:
         if name not in names:
             names.append(name)
     return names
+
+
+def refuse_rope(model_type: str) -> None:
+    raise ValueError(
+        f"liger-dspine: the {model_type} patch leaves its GQA attention native (no RoPE kernel of this package fits "
+        "it yet); pass rope=False"
+    )

@@ -1,0 +1,130 @@
+"""Tiny configurations of the models built from DeepSeek-V3's classes, and what each patch must replace.
+
+Each model: 2 layers (a dense MLP then a MoE layer where the model has MoE), the widths of the tiny DeepSeek-V3
+(``tiny_models.py``), 4 routed experts top-2 with 1 shared expert. A model missing from the installed transformers
+is skipped by the tests that use it (``FamilyCase.modeling_or_skip``).
+"""
+
+import importlib
+from dataclasses import dataclass
+from dataclasses import field
+
+import pytest
+import torch
+
+MLA = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    rope_interleave=True,
+)
+MOE = dict(
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    model_type: str
+    prefix: str
+    config_values: dict
+    swapped: tuple[str, ...]  # the native classes and methods the spec replaces
+    mla: bool = True
+    moe: bool = True
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def modeling_name(self) -> str:
+        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+
+    def modeling_or_skip(self):
+        try:
+            return importlib.import_module(self.modeling_name)
+        except ModuleNotFoundError:
+            pytest.skip(f"this transformers has no {self.model_type}")
+
+    def config(self, **overrides):
+        from transformers import AutoConfig
+
+        values = {**self.config_values, **overrides}
+        config = AutoConfig.for_model(self.model_type, **values)
+        config._attn_implementation = "eager"
+        return config
+
+    def build(self, seed: int = 0, **overrides):
+        modeling = self.modeling_or_skip()
+        torch.manual_seed(seed)
+        model = getattr(modeling, f"{self.prefix}ForCausalLM")(self.config(**overrides)).float()
+        with torch.no_grad():  # a non-zero router bias makes the group choice depend on it
+            for module in model.modules():
+                if hasattr(module, "e_score_correction_bias"):
+                    module.e_score_correction_bias.normal_(0.0, 0.1)
+        return model
+
+    def apply_fn(self):
+        import liger_dspine
+
+        return getattr(liger_dspine, f"apply_liger_kernel_to_{self.model_type}")
+
+    def revert_fn(self):
+        import liger_dspine
+
+        return getattr(liger_dspine, f"revert_liger_kernel_to_{self.model_type}")
+
+
+def _moe_swaps(prefix: str) -> tuple[str, ...]:
+    return (f"{prefix}Experts", f"{prefix}TopkRouter", f"{prefix}MoE.route_tokens_to_experts")
+
+
+def _case(model_type, prefix, values, mla=True, moe=True) -> FamilyCase:
+    swapped = [f"{prefix}RMSNorm", f"{prefix}MLP"]
+    if moe:
+        swapped.append(f"{prefix}Experts")
+    if mla:
+        swapped.append(f"{prefix}Attention")
+    if moe:
+        swapped += [f"{prefix}TopkRouter", f"{prefix}MoE.route_tokens_to_experts"]
+    swapped.append(f"{prefix}ForCausalLM.forward")
+    return FamilyCase(model_type, prefix, values, tuple(swapped), mla, moe)
+
+
+CASES = {
+    case.model_type: case
+    for case in (
+        _case("glm4_moe_lite", "Glm4MoeLite", {**COMMON, **MLA, **MOE, "mlp_layer_types": ["dense", "sparse"]}),
+        # A.X-K1 always has a q_lora_rank; its MoE layers end in a post_mlp_layernorm
+        _case("axk1", "AXK1", {**COMMON, **MLA, **MOE, "mlp_layer_types": ["dense", "sparse"]}),
+        # dense: MLA with a Qwen3-like MLP, no router or experts
+        _case("youtu", "Youtu", {**COMMON, **MLA}, moe=False),
+        # GQA attention (2 key-value heads, q/k norms, partial RoPE) stays native
+        _case(
+            "glm4_moe",
+            "Glm4Moe",
+            {**COMMON, **MOE, "num_key_value_heads": 2, "first_k_dense_replace": 1, "use_qk_norm": True},
+            mla=False,
+        ),
+        _case("dots1", "Dots1", {**COMMON, **MOE, "num_key_value_heads": 2, "first_k_dense_replace": 1}, mla=False),
+    )
+}
