@@ -132,7 +132,10 @@ def _causal_lm_forward(
             "liger-dspine: skip_logits=True needs labels or shift_labels: without them there is no loss to compute"
         )
     if has_labels:
-        _check_label_range(labels if shift_labels is None else shift_labels, self.lm_head.weight.shape[0])
+        if shift_labels is None:
+            labels = _checked_labels(labels, self.lm_head.weight.shape[0])
+        else:
+            shift_labels = _checked_labels(shift_labels, self.lm_head.weight.shape[0])
     if skip_logits is None:
         skip_logits = fused and self.training and has_labels
     if skip_logits:
@@ -204,6 +207,26 @@ def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
     return shift_labels.reshape(-1).to(hidden_states.device)
 
 
+def _checked_labels(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``labels`` after :func:`_check_label_range`. Under torch.compile the check is an opaque op returning a copy
+    of the labels (which the loss then reads, so the check stays in the graph), instead of a graph break."""
+    if torch.compiler.is_compiling():
+        return _checked_labels_op(labels, vocab_size)
+    _check_label_range(labels, vocab_size)
+    return labels
+
+
+@torch.library.custom_op("liger_dspine::checked_labels", mutates_args=())
+def _checked_labels_op(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    _check_label_range(labels, vocab_size)
+    return labels.clone()
+
+
+@_checked_labels_op.register_fake
+def _(labels, vocab_size):
+    return torch.empty_like(labels)
+
+
 def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
     """Raise ValueError if a label is neither in ``[0, vocab_size)`` nor ``IGNORE_INDEX``."""
     if labels.numel() == 0:
@@ -261,6 +284,13 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    chunk_mem_const = fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size())
+    if torch.compiler.is_compiling():
+        # the same kernels as one opaque op; its backward scales a copy of the kept gradients (no guard needed)
+        from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy_op
+
+        loss, token_accuracy = liger_fused_linear_cross_entropy_op(flat, weight, targets, IGNORE_INDEX, chunk_mem_const)
+        return loss / _on(divisor, loss), token_accuracy
     result = liger_fused_linear_cross_entropy(
         flat,
         weight,
@@ -268,7 +298,7 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
         ignore_index=IGNORE_INDEX,
         reduction="sum",
         return_token_accuracy=True,
-        chunk_mem_const=fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size()),
+        chunk_mem_const=chunk_mem_const,
     )
     guard = SecondPassGuard("liger-kernel's fused linear cross entropy")
     loss = guard.inner(result.loss)

@@ -2,6 +2,7 @@ import torch
 from liger_kernel.transformers.rms_norm import LigerRMSNorm as _LigerKernelRMSNorm
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.liger_kernel_ops import LigerRMSNormFunction
 
 
 class LigerRMSNorm(_LigerKernelRMSNorm):
@@ -9,7 +10,8 @@ class LigerRMSNorm(_LigerKernelRMSNorm):
     ``DeepseekV3RMSNorm`` and ``Qwen3RMSNorm`` compute it. Built as ``LigerRMSNorm(hidden_size, eps)``.
 
     The backward writes into a fresh gradient buffer (``in_place=False``): the incoming gradient may be shared
-    with another branch of the graph, and overwriting it would corrupt that branch.
+    with another branch of the graph, and overwriting it would corrupt that branch. liger-kernel's kernels run as
+    custom ops (:mod:`liger_dspine.ops.liger_kernel_ops`), so torch.compile keeps the norm inside its graph.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -27,4 +29,6 @@ class LigerRMSNorm(_LigerKernelRMSNorm):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         check_kernel_device(hidden_states, "LigerRMSNorm")
-        return super().forward(hidden_states)
+        return LigerRMSNormFunction.apply(
+            hidden_states, self.weight, float(self.variance_epsilon), float(self.offset), self.casting_mode
+        )

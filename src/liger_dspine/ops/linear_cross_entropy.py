@@ -160,45 +160,131 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bo
         out.copy_(a @ b)
 
 
+@torch.library.custom_op("liger_dspine::vocab_chunked_ce_stats", mutates_args=())
+def _vocab_chunked_ce_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    track_argmax: bool,
+    vocab_chunk: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's chunk loop: (row max [T], row sum of exp(z - max) [T], target logit [T], first argmax [T])."""
+    tokens, vocab_size = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    row_max, row_sumexp, target_logit, best = _stats_fake(hidden, weight, targets, track_argmax, vocab_chunk, dtype)
+    row_max.fill_(float("-inf"))
+    row_sumexp.zero_()
+    target_logit.zero_()
+    best.zero_()
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_chunk))
+    with torch.autocast(device.type, enabled=False):
+        compute_hidden, compute_weight = hidden.to(dtype), weight.to(dtype)
+        storage = torch.empty(tokens * vocab_chunk, dtype=dtype, device=device)
+        for start, end in _vocab_chunks(vocab_size, vocab_chunk):
+            logits = _chunk_logits(compute_hidden, compute_weight[start:end], storage)
+            if tokens:
+                _chunk_row_stats_kernel[(tokens,)](
+                    logits,
+                    targets,
+                    row_max,
+                    row_sumexp,
+                    best,
+                    target_logit,
+                    start,
+                    end - start,
+                    TRACK_ARGMAX=track_argmax,
+                    BLOCK_V=block_v,
+                    num_warps=_NUM_WARPS,
+                )
+    return row_max, row_sumexp, target_logit, best
+
+
+@_vocab_chunked_ce_stats.register_fake
+def _stats_fake(hidden, weight, targets, track_argmax, vocab_chunk, dtype):
+    tokens, device = hidden.shape[0], hidden.device
+    fp32 = [torch.empty(tokens, dtype=torch.float32, device=device) for _ in range(3)]
+    return *fp32, torch.empty(tokens, dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("liger_dspine::vocab_chunked_ce_backward", mutates_args=())
+def _vocab_chunked_ce_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    vocab_chunk: int,
+    dtype: torch.dtype,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_hidden [T, H], grad_weight [V, H]), each an empty [0] tensor when not needed."""
+    grad_hidden, grad_weight = _backward_fake(
+        hidden, weight, targets, lse, grad_scale, ignore_index, vocab_chunk, dtype, need_hidden, need_weight
+    )
+    tokens, vocab_size = hidden.shape[0], weight.shape[0]
+    single_chunk = vocab_chunk >= vocab_size
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_chunk))
+    with torch.autocast(hidden.device.type, enabled=False):
+        compute_hidden, compute_weight = hidden.to(dtype), weight.to(dtype)
+        if need_hidden:
+            # Several chunks add into d hidden: in fp32 (reused as is when hidden is fp32).
+            accumulate_in_output = single_chunk or hidden.dtype == torch.float32
+            hidden_acc = grad_hidden if accumulate_in_output else torch.empty_like(grad_hidden, dtype=torch.float32)
+        storage = torch.empty(tokens * vocab_chunk, dtype=dtype, device=hidden.device)
+        for start, end in _vocab_chunks(vocab_size, vocab_chunk):
+            grad_logits = _chunk_logits(compute_hidden, compute_weight[start:end], storage)
+            if tokens:
+                _chunk_logits_grad_kernel[(tokens,)](
+                    grad_logits,
+                    targets,
+                    lse,
+                    grad_scale,
+                    start,
+                    end - start,
+                    ignore_index,
+                    BLOCK_V=block_v,
+                    num_warps=_NUM_WARPS,
+                )
+            if need_weight:
+                _mm_into(grad_weight[start:end], grad_logits.t(), compute_hidden, accumulate=False)
+            if need_hidden:
+                _mm_into(hidden_acc, grad_logits, compute_weight[start:end], accumulate=start > 0)
+        del storage
+        if need_hidden and hidden_acc is not grad_hidden:
+            grad_hidden.copy_(hidden_acc)
+    return grad_hidden, grad_weight
+
+
+@_vocab_chunked_ce_backward.register_fake
+def _backward_fake(hidden, weight, *args):
+    need_hidden, need_weight = args[-2:]
+
+    def grad_of(x, need):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device) if need else x.new_empty(0)
+
+    return grad_of(hidden, need_hidden), grad_of(weight, need_weight)
+
+
 class LigerVocabChunkedLinearCrossEntropyFunction(torch.autograd.Function):
     """``(hidden [T, H], weight [V, H], targets [T], ignore_index, reduction, track_argmax, vocab_chunk)`` ->
     ``(loss [] fp32, token_accuracy [] fp32)``; token_accuracy has no gradient (0 when not tracked)."""
 
+    kernel_ops = ("liger_dspine::vocab_chunked_ce_stats", "liger_dspine::vocab_chunked_ce_backward")
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, reduction, track_argmax, vocab_chunk):
-        tokens, vocab_size = hidden.shape[0], weight.shape[0]
-        device = hidden.device
         dtype = gemm_dtype(hidden, weight, "linear cross entropy")
-        row_max = torch.full((tokens,), float("-inf"), dtype=torch.float32, device=device)
-        row_sumexp = torch.zeros(tokens, dtype=torch.float32, device=device)
-        target_logit = torch.zeros(tokens, dtype=torch.float32, device=device)
-        best = torch.zeros(tokens, dtype=torch.int64, device=device)
-        block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_chunk))
-        with torch.autocast(device.type, enabled=False):
-            compute_hidden, compute_weight = hidden.to(dtype), weight.to(dtype)
-            storage = torch.empty(tokens * vocab_chunk, dtype=dtype, device=device)
-            for start, end in _vocab_chunks(vocab_size, vocab_chunk):
-                logits = _chunk_logits(compute_hidden, compute_weight[start:end], storage)
-                if tokens:
-                    _chunk_row_stats_kernel[(tokens,)](
-                        logits,
-                        targets,
-                        row_max,
-                        row_sumexp,
-                        best,
-                        target_logit,
-                        start,
-                        end - start,
-                        TRACK_ARGMAX=track_argmax,
-                        BLOCK_V=block_v,
-                        num_warps=_NUM_WARPS,
-                    )
-
+        row_max, row_sumexp, target_logit, best = _vocab_chunked_ce_stats(
+            hidden, weight, targets, track_argmax, vocab_chunk, dtype
+        )
         valid = targets != ignore_index
         valid_count = valid.sum().clamp_min(1).to(torch.float32)
         lse = row_max + torch.log(row_sumexp)
         loss = torch.where(valid, lse - target_logit, 0.0).sum()
-        scale = torch.ones((), dtype=torch.float32, device=device)
+        scale = torch.ones((), dtype=torch.float32, device=hidden.device)
         if reduction == "mean":
             scale = scale / valid_count
         loss = loss * scale
@@ -215,45 +301,15 @@ class LigerVocabChunkedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_accuracy):
         hidden, weight, targets, lse, scale = ctx.saved_tensors
         hidden_needs_grad, weight_needs_grad = ctx.needs_input_grad[:2]
-        grad_hidden = grad_weight = None
         if not (hidden_needs_grad or weight_needs_grad):
             return None, None, None, None, None, None, None
-        tokens, vocab_size = hidden.shape[0], weight.shape[0]
-        vocab_chunk, dtype = ctx.vocab_chunk, ctx.compute_dtype
         grad_scale = (scale * grad_loss.float()).contiguous()
-        single_chunk = vocab_chunk >= vocab_size
-        block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_chunk))
-        with torch.autocast(hidden.device.type, enabled=False):
-            compute_hidden, compute_weight = hidden.to(dtype), weight.to(dtype)
-            if weight_needs_grad:
-                grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
-            if hidden_needs_grad:
-                grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-                # Several chunks add into d hidden: in fp32 (reused as is when hidden is fp32).
-                accumulate_in_output = single_chunk or hidden.dtype == torch.float32
-                hidden_acc = grad_hidden if accumulate_in_output else torch.empty_like(grad_hidden, dtype=torch.float32)
-            storage = torch.empty(tokens * vocab_chunk, dtype=dtype, device=hidden.device)
-            for start, end in _vocab_chunks(vocab_size, vocab_chunk):
-                grad_logits = _chunk_logits(compute_hidden, compute_weight[start:end], storage)
-                if tokens:
-                    _chunk_logits_grad_kernel[(tokens,)](
-                        grad_logits,
-                        targets,
-                        lse,
-                        grad_scale,
-                        start,
-                        end - start,
-                        ctx.ignore_index,
-                        BLOCK_V=block_v,
-                        num_warps=_NUM_WARPS,
-                    )
-                if weight_needs_grad:
-                    _mm_into(grad_weight[start:end], grad_logits.t(), compute_hidden, accumulate=False)
-                if hidden_needs_grad:
-                    _mm_into(hidden_acc, grad_logits, compute_weight[start:end], accumulate=start > 0)
-            del storage, grad_logits
-            if hidden_needs_grad and hidden_acc is not grad_hidden:
-                grad_hidden.copy_(hidden_acc)
+        grad_hidden, grad_weight = _vocab_chunked_ce_backward(
+            hidden, weight, targets, lse, grad_scale, ctx.ignore_index, ctx.vocab_chunk, ctx.compute_dtype,
+            hidden_needs_grad, weight_needs_grad,
+        )  # fmt: skip
+        grad_hidden = grad_hidden if hidden_needs_grad else None
+        grad_weight = grad_weight if weight_needs_grad else None
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -19,20 +19,13 @@ fewer ``[..., I]`` buffers at the backward's peak), which is only right when not
 
 import torch
 import torch.nn.functional as F
-from liger_kernel.ops.swiglu import swiglu_backward
-from liger_kernel.ops.swiglu import swiglu_forward
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.gemm_dtype import gemm_dtype
+from liger_dspine.ops.liger_kernel_ops import silu_mul
+from liger_dspine.ops.liger_kernel_ops import silu_mul_backward_
 
 _WHAT = "SwiGLU down projection"
-
-
-def _silu_mul(gate_rows: torch.Tensor, up_rows: torch.Tensor) -> torch.Tensor:
-    """[N, I] contiguous gate and up -> a new [N, I] ``silu(gate) * up``."""
-    if gate_rows.shape[0] == 0:
-        return torch.empty_like(gate_rows)
-    return swiglu_forward(gate_rows, up_rows)[2]
 
 
 def _overwritable(x: torch.Tensor) -> bool:
@@ -41,7 +34,13 @@ def _overwritable(x: torch.Tensor) -> bool:
 
 
 class LigerSwiGLUDownFunction(torch.autograd.Function):
-    """``(a [..., I], b [..., I], W [H, I], in_place)`` -> ``y [..., H] = (silu(a) * b) @ W^T``."""
+    """``(a [..., I], b [..., I], W [H, I], in_place)`` -> ``y [..., H] = (silu(a) * b) @ W^T``.
+
+    The SiLU-mul kernels are custom ops (:mod:`liger_dspine.ops.liger_kernel_ops`); the GEMMs are torch's. Under
+    torch.compile ``in_place`` is ignored: the identity checks it needs do not trace, so gate and up are copied.
+    """
+
+    kernel_ops = ("liger_dspine::silu_mul", "liger_dspine::silu_mul_backward_")
 
     @staticmethod
     def forward(ctx, gate, up, down_weight, in_place):
@@ -51,15 +50,17 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         # the kernels read rows of a contiguous buffer; a copy made here is ours to overwrite
         gate_saved, up_saved = gate.contiguous(), up.contiguous()
         with torch.autocast(device_type, enabled=False):
-            product = _silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
-            # [..., I] in, so the output is a tensor of its own and not a view: a view of an intermediate made here
-            # trips torch.compile's fake-tensor conversion at the graph break after this op (torch 2.11)
+            product = silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
+            # [..., I] in, so the output is a tensor of its own and not a view of an intermediate
             out = F.linear(product.view(gate.shape).to(dtype), down_weight.to(dtype))
         del product
 
-        shares_storage = gate_saved.untyped_storage().data_ptr() == up_saved.untyped_storage().data_ptr()
-        ctx.overwrite_gate = in_place and (gate_saved is not gate or _overwritable(gate))
-        ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
+        if torch.compiler.is_compiling():
+            ctx.overwrite_gate = ctx.overwrite_up = False
+        else:
+            shares_storage = gate_saved.untyped_storage().data_ptr() == up_saved.untyped_storage().data_ptr()
+            ctx.overwrite_gate = in_place and (gate_saved is not gate or _overwritable(gate))
+            ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
         ctx.overwritten = False
         ctx.compute_dtype = dtype
         ctx.save_for_backward(gate_saved, up_saved, down_weight)
@@ -67,8 +68,6 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up, down_weight = ctx.saved_tensors
-        gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
         if ctx.overwritten:
             raise RuntimeError(
                 "liger-dspine: the fused SwiGLU MLP (LigerSwiGLUMLP) can run its backward only once: its first "
@@ -76,6 +75,8 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
                 "backward(retain_graph=True) twice or autograd.grad(..., retain_graph=True) then backward(), run the "
                 "forward again, or patch with swiglu=False."
             )
+        gate, up, down_weight = ctx.saved_tensors
+        gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
         width, hidden = gate.shape[-1], down_weight.shape[0]
         gate_rows, up_rows = gate.view(-1, width), up.view(-1, width)
         dtype = ctx.compute_dtype
@@ -85,16 +86,16 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
             grad_rows = grad_out.reshape(-1, hidden).to(dtype)
             if weight_needs_grad:
                 # before the SiLU-mul backward, which may overwrite gate and up
-                product = _silu_mul(gate_rows, up_rows).to(dtype)
+                product = silu_mul(gate_rows, up_rows).to(dtype)
                 grad_weight = (grad_rows.t() @ product).to(down_weight.dtype)
                 del product
             if gate_needs_grad or up_needs_grad:
                 grad_product = (grad_rows @ down_weight.to(dtype)).to(gate.dtype).contiguous()
                 grad_gate_rows = gate_rows if ctx.overwrite_gate else gate_rows.clone()
                 grad_up_rows = up_rows if ctx.overwrite_up else up_rows.clone()
-                ctx.overwritten = ctx.overwrite_gate or ctx.overwrite_up
-                if gate_rows.shape[0]:
-                    swiglu_backward(grad_gate_rows, grad_up_rows, grad_product)
+                if ctx.overwrite_gate or ctx.overwrite_up:
+                    ctx.overwritten = True
+                silu_mul_backward_(grad_gate_rows, grad_up_rows, grad_product)
                 del grad_product
                 grad_gate = grad_gate_rows.view(gate.shape) if gate_needs_grad else None
                 grad_up = grad_up_rows.view(up.shape) if up_needs_grad else None
@@ -116,9 +117,6 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tenso
         )
 
 
-# torch.compile runs the op as it is (a graph break on each side), as it does liger-kernel's fused loss: the
-# checks of which saved buffers may be overwritten read tensor identities that do not trace.
-@torch.compiler.disable
 def liger_swiglu_down(
     gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
