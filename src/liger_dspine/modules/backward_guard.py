@@ -20,7 +20,10 @@ class _GuardState:
 
 
 class _GuardFunction(torch.autograd.Function):
-    """Identity on a loss, keeping the guard's shared state for its backward."""
+    """Identity on a loss, keeping the guard's shared state for its backward. Eager only: under torch.compile the
+    causal-LM forwards take a fused loss whose backward needs no guard."""
+
+    kernel_ops = ()  # torch ops only
 
     @staticmethod
     def forward(ctx, loss, state):

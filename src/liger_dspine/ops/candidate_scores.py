@@ -87,26 +87,67 @@ def _torch_blocks(rows: int, top_k: int, hidden_size: int):
         yield start, min(start + step, rows)
 
 
-class LigerCandidateScoresFunction(torch.autograd.Function):
-    """``(h [N, H], W [V, H], ids [N, K])`` -> scores [N, K] fp32; differentiable in h only."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, ids):
-        rows, top_k = ids.shape
-        hidden_size = weight.shape[1]
-        scores = torch.empty(rows, top_k, dtype=torch.float32, device=hidden.device)
-        ctx.use_kernel = _use_kernel(hidden, weight)
-        if ctx.use_kernel and rows:
+@torch.library.custom_op("liger_dspine::candidate_scores", mutates_args=())
+def _candidate_scores(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """scores [N, K] fp32 of rows [N, H], the head [V, H] and ids [N, K] (all contiguous)."""
+    rows, top_k = ids.shape
+    hidden_size = weight.shape[1]
+    scores = torch.empty(rows, top_k, dtype=torch.float32, device=hidden.device)
+    if _use_kernel(hidden, weight):
+        if rows:
             _candidate_scores_kernel[(rows,)](
                 hidden, weight, ids, scores, hidden_size, top_k,
                 K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
             )  # fmt: skip
-        elif not ctx.use_kernel:
-            for start, end in _torch_blocks(rows, top_k, hidden_size):
-                gathered = weight[ids[start:end]].float()  # [b, K, H]
-                scores[start:end] = torch.bmm(gathered, hidden[start:end].float().unsqueeze(-1)).squeeze(-1)
+        return scores
+    for start, end in _torch_blocks(rows, top_k, hidden_size):
+        gathered = weight[ids[start:end]].float()  # [b, K, H]
+        scores[start:end] = torch.bmm(gathered, hidden[start:end].float().unsqueeze(-1)).squeeze(-1)
+    return scores
+
+
+@_candidate_scores.register_fake
+def _(hidden, weight, ids):
+    return torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+
+
+@torch.library.custom_op("liger_dspine::candidate_scores_backward", mutates_args=())
+def _candidate_scores_backward(
+    grad_scores: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, hidden_dtype: torch.dtype, use_kernel: bool
+) -> torch.Tensor:
+    """dh [N, H] in ``hidden_dtype`` from grad_scores [N, K] fp32 (contiguous)."""
+    rows, top_k = ids.shape
+    hidden_size = weight.shape[1]
+    grad_hidden = torch.empty(rows, hidden_size, dtype=hidden_dtype, device=grad_scores.device)
+    if use_kernel:
+        if rows:
+            _candidate_scores_backward_kernel[(rows,)](
+                grad_scores, weight, ids, grad_hidden, hidden_size, top_k,
+                K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
+            )  # fmt: skip
+        return grad_hidden
+    for start, end in _torch_blocks(rows, top_k, hidden_size):
+        gathered = weight[ids[start:end]].float()
+        grad_hidden[start:end] = torch.bmm(grad_scores[start:end].unsqueeze(1), gathered).squeeze(1)
+    return grad_hidden
+
+
+@_candidate_scores_backward.register_fake
+def _(grad_scores, weight, ids, hidden_dtype, use_kernel):
+    return torch.empty(ids.shape[0], weight.shape[1], dtype=hidden_dtype, device=grad_scores.device)
+
+
+class LigerCandidateScoresFunction(torch.autograd.Function):
+    """``(h [N, H], W [V, H], ids [N, K])`` -> scores [N, K] fp32; differentiable in h only."""
+
+    kernel_ops = ("liger_dspine::candidate_scores", "liger_dspine::candidate_scores_backward")
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids):
+        scores = _candidate_scores(hidden, weight, ids)
         ctx.save_for_backward(weight, ids)
         ctx.hidden_dtype = hidden.dtype
+        ctx.use_kernel = _use_kernel(hidden, weight)  # the backward runs where the forward did
         return scores
 
     @staticmethod
@@ -114,20 +155,8 @@ class LigerCandidateScoresFunction(torch.autograd.Function):
         weight, ids = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        rows, top_k = ids.shape
-        hidden_size = weight.shape[1]
         grad_scores = grad_scores.float().contiguous()
-        grad_hidden = torch.empty(rows, hidden_size, dtype=ctx.hidden_dtype, device=grad_scores.device)
-        if ctx.use_kernel and rows:
-            _candidate_scores_backward_kernel[(rows,)](
-                grad_scores, weight, ids, grad_hidden, hidden_size, top_k,
-                K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
-            )  # fmt: skip
-        elif not ctx.use_kernel:
-            for start, end in _torch_blocks(rows, top_k, hidden_size):
-                gathered = weight[ids[start:end]].float()
-                grad_hidden[start:end] = torch.bmm(grad_scores[start:end].unsqueeze(1), gathered).squeeze(1)
-        return grad_hidden, None, None
+        return _candidate_scores_backward(grad_scores, weight, ids, ctx.hidden_dtype, ctx.use_kernel), None, None
 
 
 def liger_candidate_scores(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

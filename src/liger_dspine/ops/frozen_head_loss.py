@@ -46,47 +46,93 @@ def _project_grads(dz: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) ->
         out.copy_(dz.mm(weight))
 
 
+@torch.library.custom_op("liger_dspine::frozen_head_loss", mutates_args=())
+def _frozen_head_loss(
+    draft_hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    ce_scale: torch.Tensor,
+    l1_scale: torch.Tensor | None,
+    top_k: int,
+    chunk_rows: int,
+    dtype: torch.dtype,
+    want_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk loop: (ce, correct, l1, candidate_ids, candidate_probs, dx [R, H] fp32); l1 and the candidates are
+    empty ([0]) without a teacher, dx without ``want_grad``."""
+    rows = draft_hidden.shape[0]
+    has_teacher = teacher_hidden is not None
+    device = draft_hidden.device
+    results = RowResults(rows, top_k, has_teacher, False, device)
+    grad_input = torch.empty(rows, draft_hidden.shape[1], dtype=torch.float32, device=device) if want_grad else None
+
+    with torch.autocast(device.type, enabled=False):
+        weight = head_weight.to(dtype)
+        for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+            results.store(start, end, z, y, stats)
+            if want_grad:
+                chunk_l1_scale = l1_scale[start:end] if has_teacher else None
+                write_logit_grads(
+                    z,
+                    y,
+                    labels[start:end],
+                    ce_scale[start:end],
+                    chunk_l1_scale,
+                    stats.draft_lse,
+                    stats.teacher_lse,
+                    stats.sign_mass,
+                )
+                _project_grads(z, weight, grad_input[start:end])
+    outputs = results.outputs()
+    if not has_teacher:
+        outputs = (*outputs, *_absent_terms(draft_hidden))
+    return *outputs, grad_input if want_grad else draft_hidden.new_empty(0, dtype=torch.float32)
+
+
+def _absent_terms(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty l1, candidate ids and candidate probabilities, for the CE-only path."""
+    return (
+        like.new_empty(0, dtype=torch.float32),
+        like.new_empty(0, dtype=torch.int64),
+        like.new_empty(0, dtype=torch.float32),
+    )
+
+
+@_frozen_head_loss.register_fake
+def _(draft_hidden, head_weight, labels, teacher_hidden, ce_scale, l1_scale, top_k, chunk_rows, dtype, want_grad):
+    rows, device = draft_hidden.shape[0], draft_hidden.device
+    results = RowResults(rows, top_k, teacher_hidden is not None, False, device)
+    outputs = results.outputs()
+    if teacher_hidden is None:
+        outputs = (*outputs, *_absent_terms(draft_hidden))
+    grad_rows = (rows, draft_hidden.shape[1]) if want_grad else (0,)
+    return *outputs, torch.empty(grad_rows, dtype=torch.float32, device=device)
+
+
 class LigerFrozenHeadLossFunction(torch.autograd.Function):
     """``(x [R, H], W [V, H], labels [R], t [R, H] | None, a [R], b [R] | None, K, C, dtype, want_grad)`` ->
     ``(loss, ce, correct[, l1, ids, probs])``; ``want_grad`` says whether to form dx. Only ``loss`` is
     differentiable, and only in x."""
 
+    kernel_ops = ("liger_dspine::frozen_head_loss",)
+
     @staticmethod
     def forward(
         ctx, draft_hidden, head_weight, labels, teacher_hidden, ce_scale, l1_scale, top_k, chunk_rows, dtype, want_grad
     ):
-        rows = draft_hidden.shape[0]
         has_teacher = teacher_hidden is not None
-        device = draft_hidden.device
-        results = RowResults(rows, top_k, has_teacher, False, device)
-        grad_input = torch.empty(rows, draft_hidden.shape[1], dtype=torch.float32, device=device) if want_grad else None
-
-        with torch.autocast(device.type, enabled=False):
-            weight = head_weight.to(dtype)
-            for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
-                results.store(start, end, z, y, stats)
-                if want_grad:
-                    chunk_l1_scale = l1_scale[start:end] if has_teacher else None
-                    write_logit_grads(
-                        z,
-                        y,
-                        labels[start:end],
-                        ce_scale[start:end],
-                        chunk_l1_scale,
-                        stats.draft_lse,
-                        stats.teacher_lse,
-                        stats.sign_mass,
-                    )
-                    _project_grads(z, weight, grad_input[start:end])
-
-        loss = (results.ce * ce_scale).sum()
+        ce, correct, l1, ids, probs, grad_input = _frozen_head_loss(
+            draft_hidden, head_weight, labels, teacher_hidden, ce_scale, l1_scale, top_k, chunk_rows, dtype, want_grad
+        )
+        loss = (ce * ce_scale).sum()
         if has_teacher:
-            loss = loss + (results.l1 * l1_scale).sum()
-        outputs = (loss, *results.outputs())
-        ctx.save_for_backward(grad_input)
+            loss = loss + (l1 * l1_scale).sum()
+        terms = (ce, correct, l1, ids, probs) if has_teacher else (ce, correct)
+        ctx.save_for_backward(grad_input if want_grad else None)
         ctx.input_dtype = draft_hidden.dtype
-        ctx.mark_non_differentiable(*outputs[1:])
-        return outputs
+        ctx.mark_non_differentiable(*terms)
+        return (loss, *terms)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):

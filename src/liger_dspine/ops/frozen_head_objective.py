@@ -41,6 +41,93 @@ from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
 __all__ = ["IGNORE_INDEX", "default_chunk_rows", "liger_frozen_head_terms", "LigerFrozenHeadTermsFunction"]
 
 
+@torch.library.custom_op("liger_dspine::frozen_head_terms", mutates_args=())
+def _frozen_head_terms(
+    draft_hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    top_k: int,
+    chunk_rows: int,
+    dtype: torch.dtype,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """The forward's chunk loop: (ce, correct, l1, candidate_ids, candidate_probs, draft_lse, teacher_lse,
+    sign_mass); the teacher's five are empty ([0]) without a teacher."""
+    results = RowResults(draft_hidden.shape[0], top_k, teacher_hidden is not None, True, draft_hidden.device)
+    with torch.autocast(draft_hidden.device.type, enabled=False):
+        weight = head_weight.to(dtype)
+        for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+            results.store(start, end, z, y, stats)
+    return _terms_outputs(results, draft_hidden)
+
+
+def _terms_outputs(results: RowResults, like: torch.Tensor) -> tuple:
+    def present(t, dtype=torch.float32):
+        return like.new_empty(0, dtype=dtype) if t is None else t
+
+    return (
+        results.ce,
+        results.correct,
+        present(results.l1),
+        present(results.candidate_ids, torch.int64),
+        present(results.candidate_probs),
+        results.draft_lse,
+        present(results.teacher_lse),
+        present(results.sign_mass),
+    )
+
+
+@_frozen_head_terms.register_fake
+def _(draft_hidden, head_weight, labels, teacher_hidden, top_k, chunk_rows, dtype):
+    results = RowResults(draft_hidden.shape[0], top_k, teacher_hidden is not None, True, draft_hidden.device)
+    return _terms_outputs(results, draft_hidden)
+
+
+@torch.library.custom_op("liger_dspine::frozen_head_terms_backward", mutates_args=())
+def _frozen_head_terms_backward(
+    draft_hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    draft_lse: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    sign_mass: torch.Tensor,
+    grad_ce: torch.Tensor,
+    grad_l1: torch.Tensor,
+    chunk_rows: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """d x [R, H] in x's dtype, recomputing each chunk's logits."""
+    has_teacher = teacher_hidden is not None
+    grad_input = torch.empty_like(draft_hidden, memory_format=torch.contiguous_format)
+    with torch.autocast(draft_hidden.device.type, enabled=False):
+        weight = head_weight.to(dtype)
+        for start, end, z, y in chunk_logit_passes(draft_hidden, teacher_hidden, weight, chunk_rows):
+            rows = slice(start, end)
+            write_logit_grads(
+                z,
+                y,
+                labels[rows],
+                grad_ce[rows],
+                grad_l1[rows],
+                draft_lse[rows],
+                teacher_lse[rows] if has_teacher else None,
+                sign_mass[rows] if has_teacher else None,
+            )
+            if grad_input.dtype == weight.dtype:
+                torch.mm(z, weight, out=grad_input[rows])
+            else:
+                grad_input[rows] = z.mm(weight)
+    return grad_input
+
+
+@_frozen_head_terms_backward.register_fake
+def _(draft_hidden, *_):
+    return torch.empty_like(draft_hidden, memory_format=torch.contiguous_format)
+
+
 class LigerFrozenHeadTermsFunction(torch.autograd.Function):
     """``(x [R, H], W [V, H], labels [R], t [R, H] | None, K, C, dtype)`` -> ``(ce, correct[, l1, ids, probs])``.
 
@@ -48,52 +135,36 @@ class LigerFrozenHeadTermsFunction(torch.autograd.Function):
     candidate_teacher_probs [R, K] fp32. Only ce and l1 are differentiable, and only with respect to x.
     """
 
+    kernel_ops = ("liger_dspine::frozen_head_terms", "liger_dspine::frozen_head_terms_backward")
+
     @staticmethod
     def forward(ctx, draft_hidden, head_weight, labels, teacher_hidden, top_k, chunk_rows, dtype):
         has_teacher = teacher_hidden is not None
-        results = RowResults(draft_hidden.shape[0], top_k, has_teacher, True, draft_hidden.device)
-        with torch.autocast(draft_hidden.device.type, enabled=False):
-            weight = head_weight.to(dtype)
-            for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
-                results.store(start, end, z, y, stats)
-
+        ce, correct, l1, ids, probs, draft_lse, teacher_lse, sign_mass = _frozen_head_terms(
+            draft_hidden, head_weight, labels, teacher_hidden, top_k, chunk_rows, dtype
+        )
         ctx.has_teacher = has_teacher
         ctx.chunk_rows = chunk_rows
         ctx.compute_dtype = dtype
-        ctx.save_for_backward(
-            draft_hidden, head_weight, labels, teacher_hidden, results.draft_lse, results.teacher_lse, results.sign_mass
-        )
-        candidates = (results.candidate_ids, results.candidate_probs) if has_teacher else ()
-        ctx.mark_non_differentiable(results.correct, *candidates)
-        return results.outputs()
+        ctx.save_for_backward(draft_hidden, head_weight, labels, teacher_hidden, draft_lse, teacher_lse, sign_mass)
+        if not has_teacher:
+            ctx.mark_non_differentiable(correct)
+            return ce, correct
+        ctx.mark_non_differentiable(correct, ids, probs)
+        return ce, correct, l1, ids, probs
 
     @staticmethod
     def backward(ctx, grad_ce, _grad_correct, grad_l1=None, _grad_ids=None, _grad_probs=None):
         draft_hidden, head_weight, labels, teacher_hidden, draft_lse, teacher_lse, sign_mass = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None
-        has_teacher = ctx.has_teacher
         grad_ce = grad_ce.float().contiguous()
-        grad_l1 = grad_l1.float().contiguous() if has_teacher and grad_l1 is not None else torch.zeros_like(grad_ce)
-        grad_input = torch.empty_like(draft_hidden, memory_format=torch.contiguous_format)
-        with torch.autocast(draft_hidden.device.type, enabled=False):
-            weight = head_weight.to(ctx.compute_dtype)
-            for start, end, z, y in chunk_logit_passes(draft_hidden, teacher_hidden, weight, ctx.chunk_rows):
-                rows = slice(start, end)
-                write_logit_grads(
-                    z,
-                    y,
-                    labels[rows],
-                    grad_ce[rows],
-                    grad_l1[rows],
-                    draft_lse[rows],
-                    teacher_lse[rows] if has_teacher else None,
-                    sign_mass[rows] if has_teacher else None,
-                )
-                if grad_input.dtype == weight.dtype:
-                    torch.mm(z, weight, out=grad_input[rows])
-                else:
-                    grad_input[rows] = z.mm(weight)
+        has_l1 = ctx.has_teacher and grad_l1 is not None
+        grad_l1 = grad_l1.float().contiguous() if has_l1 else torch.zeros_like(grad_ce)
+        grad_input = _frozen_head_terms_backward(
+            draft_hidden, head_weight, labels, teacher_hidden, draft_lse, teacher_lse, sign_mass, grad_ce, grad_l1,
+            ctx.chunk_rows, ctx.compute_dtype,
+        )  # fmt: skip
         return grad_input, None, None, None, None, None, None
 
 

@@ -60,7 +60,17 @@ def _rms_norm_backward(
     mode = _str_to_casting_mode[casting_mode]
     mode = getattr(mode, "value", mode)
     grad_x, grad_weight = rms_norm_backward(
-        grad_y, x.view(-1, x.shape[-1]), weight, rstd, offset, mode, block_size, num_warps, False, None, needs_dw=need_weight
+        grad_y,
+        x.view(-1, x.shape[-1]),
+        weight,
+        rstd,
+        offset,
+        mode,
+        block_size,
+        num_warps,
+        False,
+        None,
+        needs_dw=need_weight,
     )
     return grad_x.detach(), grad_weight if grad_weight is not None else x.new_empty(0)
 

@@ -28,6 +28,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 class LigerScaledWriteFunction(torch.autograd.Function):
     """``(x [N, H], m [N, M], W [H, M])`` -> ``x + rms(x) * (m @ W^T)`` in x's dtype."""
 
+    kernel_ops = ()  # torch ops only
+
     @staticmethod
     def forward(ctx, states, message, weight):
         wide = _wide(states.dtype)
@@ -59,6 +61,8 @@ class LigerScaledWriteFunction(torch.autograd.Function):
 
 class LigerUnitFeatureFunction(torch.autograd.Function):
     """``(p [N, r], c, eps)`` -> ``c * p / max(||p||, eps)`` in p's dtype (computed in fp32)."""
+
+    kernel_ops = ()  # torch ops only
 
     @staticmethod
     def forward(ctx, projected, scale, eps):

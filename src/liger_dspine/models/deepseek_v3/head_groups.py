@@ -66,6 +66,8 @@ class LigerHeadGroupedAttentionFunction(torch.autograd.Function):
     ``head_widths`` = (heads, query rows per head, key/value rows per head, value width); ``group`` heads at a time.
     """
 
+    kernel_ops = ()  # its kernels are those of ``run_group`` (custom ops); torch ops otherwise
+
     @staticmethod
     def forward(
         ctx, run_group, head_widths, group, recompute, q_latent, kv_latent, k_rot, q_weight, kv_weight, o_weight
