@@ -1,0 +1,236 @@
+"""The patches of the models built from DeepSeek-V3's classes: what each replaces, native against patched training
+at instance and class level, applying again, revert, state-dict keys. One tiny model per type (tiny_family.py)."""
+
+import copy
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from liger_dspine import patching  # noqa: E402
+from liger_dspine.models.deepseek_v3.family import swapped_class_names  # noqa: E402
+from liger_dspine.modules.causal_lm_forward import lce_forward  # noqa: E402
+from liger_dspine.modules.grouped_experts import LigerGroupedExperts  # noqa: E402
+from liger_dspine.modules.rms_norm import LigerRMSNorm  # noqa: E402
+from liger_dspine.modules.swiglu import LigerSwiGLUMLP  # noqa: E402
+from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
+from tiny_family import CASES  # noqa: E402
+
+pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix that has the model
+
+STEPS = 3
+# fp32 on both sides; the kernels sum in another order (1e-6 level per op), and 3 SGD steps carry it along.
+RTOL = 1e-5
+
+
+def spec_of(case):
+    return sys.modules[MODEL_TYPE_TO_APPLY_LIGER_FN[case.model_type].__module__].__dict__[
+        f"{case.model_type.upper()}_SPEC"
+    ]
+
+
+def liger_type(case, native_name: str) -> type:
+    """The class a native class of ``case`` becomes with the default options."""
+    if native_name.endswith("RMSNorm"):
+        return LigerRMSNorm
+    if native_name.endswith("MLP"):
+        return LigerSwiGLUMLP
+    if native_name.endswith(("Experts", "NaiveMoe")):
+        return LigerGroupedExperts
+    module = sys.modules[f"liger_dspine.models.{case.model_type}.modules"]
+    return getattr(module, f"Liger{native_name}")
+
+
+_NATIVE_CLASSES: dict[str, list[type]] = {}
+
+
+def snapshot(modeling) -> dict:
+    """Every global of a modeling module and every attribute of the classes it defines (captured the first time,
+    while transformers is native: a class-level patch rebinds the globals)."""
+    classes = _NATIVE_CLASSES.setdefault(
+        modeling.__name__,
+        [v for v in vars(modeling).values() if isinstance(v, type) and v.__module__ == modeling.__name__],
+    )
+    values = dict(vars(modeling))
+    for cls in classes:
+        values.update({f"{cls.__name__}.{k}": v for k, v in vars(cls).items() if not k.endswith("_cached_value")})
+    return values
+
+
+def changed(before: dict, modeling) -> list[str]:
+    after = snapshot(modeling)
+    missing = object()
+    names = set(before) | {name for name in after if "." not in name}
+    return sorted(n for n in names if before.get(n, missing) is not after.get(n, missing))
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    case = CASES[request.param]
+    case.modeling_or_skip()
+    return case
+
+
+@pytest.fixture
+def class_level(case):
+    """Revert the class-level patch afterwards and check that every global of the modeling module is back."""
+    modeling = case.modeling_or_skip()
+    before = snapshot(modeling)
+    yield modeling
+    case.revert_fn()()
+    assert changed(before, modeling) == []
+
+
+def test_spec_lists_every_class_with_a_liger_counterpart(case):
+    """The spec replaces the listed classes, and the modeling file has no other class of a kind that has a Liger
+    module (RMSNorm, SwiGLU MLP, batched experts, top-k router, MLA attention, the causal LM's loss)."""
+    assert swapped_class_names(spec_of(case)) == list(case.swapped)
+    modeling = case.modeling_or_skip()
+    kinds = ("RMSNorm", "MLP", "Experts", "NaiveMoe", "TopkRouter")
+    own = [v for v in vars(modeling).values() if isinstance(v, type) and v.__module__ == modeling.__name__]
+    candidates = {cls.__name__ for cls in own if cls.__name__.endswith(kinds)}
+    mla = {cls.__name__ for cls in own if "kv_a_proj_with_mqa" in inspect.getsource(cls.__init__)}
+    assert candidates | mla <= set(case.swapped)
+    assert bool(mla) is case.mla
+
+
+def test_instance_patch_converts_every_listed_module(case):
+    model = case.build()
+    native_types = {name: type(m) for name, m in model.named_modules()}
+    keys = list(model.state_dict())
+    modeling = case.modeling_or_skip()
+    before = snapshot(modeling)
+
+    report = case.apply_fn()(model=model)
+
+    expected = {}
+    for name, native in native_types.items():
+        if native.__name__ in case.swapped:
+            expected[name] = liger_type(case, native.__name__)
+    assert expected, "the model has modules to replace"
+    patched_types = {name: type(m) for name, m in model.named_modules()}
+    assert {name: patched_types[name] for name in expected} == expected
+    assert all(patched_types[n] is t for n, t in native_types.items() if n not in expected and n in patched_types)
+    assert model.forward.__func__ is lce_forward
+    assert list(model.state_dict()) == keys
+    assert changed(before, modeling) == []  # an instance patch leaves transformers' classes alone
+    assert {r.target for r in report} == expected_targets(case, modeling, "{} modules", "{} of the instance")
+    # applying again changes nothing
+    again = case.apply_fn()(model=model)
+    assert all(r.already for r in again) and len(again) == len(report)
+
+
+def expected_targets(case, modeling, class_target: str, method_target: str) -> set[str]:
+    """Report targets of a default patch: the listed classes and methods this transformers version defines."""
+    targets = set()
+    for name in case.swapped:
+        owner, _, method = name.partition(".")
+        if not method:
+            experts = (name, name.replace("Experts", "NaiveMoe"))
+            found = [n for n in experts if n in vars(modeling)]
+            targets.add(class_target.format(found[0]))
+        elif method in vars(getattr(modeling, owner)):
+            targets.add(method_target.format(name))
+    return targets
+
+
+def train(model, batches):
+    """STEPS of SGD: the loss and every gradient of each step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    steps = []
+    for input_ids in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        steps.append((loss.detach(), grads))
+        optimizer.step()
+    return steps
+
+
+def assert_steps_close(patched, native) -> None:
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(patched, native)):
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0, msg=lambda m: f"step {step} loss: {m}")
+        assert grads.keys() == ref_grads.keys()
+        for name, ref in ref_grads.items():
+            # relative to the tensor's scale: entries near zero differ by rounding of the large ones
+            atol = RTOL * ref.abs().max().item()
+            torch.testing.assert_close(grads[name], ref, rtol=RTOL, atol=atol, msg=lambda m: f"step {step} {name}: {m}")
+
+
+def batches(case):
+    generator = torch.Generator().manual_seed(7)
+    vocab = case.config_values["vocab_size"]
+    return [torch.randint(0, vocab, (2, 8), generator=generator) for _ in range(STEPS)]
+
+
+def test_instance_patch_trains_as_native(case):
+    native = case.build()
+    patched = copy.deepcopy(native)
+    case.apply_fn()(model=patched)
+    assert_steps_close(train(patched, batches(case)), train(native, batches(case)))
+
+
+def test_class_patch_builds_the_models_own_modules_and_trains_as_native(case, class_level):
+    native = case.build()
+    case.apply_fn()()
+    patched = case.build()
+    patched.load_state_dict(native.state_dict())
+    types = {type(m) for m in patched.modules()}
+    assert not {t for t in types if t.__name__ in case.swapped}, "a native module was built under the class patch"
+    if case.mla:  # the attention's q/kv norms are built by the model's own __init__, under its own norm swap
+        attention = patched.model.layers[0].self_attn
+        assert type(attention) is liger_type(case, f"{case.prefix}Attention")
+        assert type(attention.kv_a_layernorm) is LigerRMSNorm
+    assert_steps_close(train(patched, batches(case)), train(native, batches(case)))
+
+
+def test_latest_call_and_revert_on_an_instance(case):
+    model = case.build()
+    native_types = {name: type(m) for name, m in model.named_modules()}
+    case.apply_fn()(model=model)
+    case.apply_fn()(rms_norm=False, model=model)
+    assert not any(isinstance(m, LigerRMSNorm) for m in model.modules())
+    assert any(isinstance(m, LigerSwiGLUMLP) for m in model.modules())
+    restored = case.revert_fn()(model=model)
+    assert restored and {name: type(m) for name, m in model.named_modules()} == native_types
+    assert "forward" not in vars(model)
+    assert case.revert_fn()(model=model) == []
+
+
+def test_class_patch_rebinds_exactly_the_listed_globals(case, class_level):
+    before = snapshot(class_level)
+    report = case.apply_fn()()
+    targets = expected_targets(case, class_level, f"{class_level.__name__}.{{}}", f"{class_level.__name__}.{{}}")
+    assert {r.target for r in report} == targets
+    assert {f"{class_level.__name__}.{name}" for name in changed(before, class_level)} == targets
+    assert all(r.already for r in case.apply_fn()())
+
+
+def test_an_instance_of_another_model_is_refused(case):
+    from tiny_models import build_model
+    from tiny_models import tiny_deepseek_v3_config
+
+    with pytest.raises(TypeError, match=f"liger-dspine: the {case.model_type} patch needs a {case.prefix}"):
+        case.apply_fn()(model=build_model(tiny_deepseek_v3_config()))
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "dots1"])
+def test_gqa_models_refuse_rope(model_type):
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    with pytest.raises(ValueError, match=f"liger-dspine: the {model_type} patch leaves its GQA attention native"):
+        apply(rope=True)
+    assert inspect.signature(apply).parameters["rope"].default is False
+
+
+def test_a_model_missing_from_transformers_is_named():
+    from liger_dspine.models.deepseek_v3.apply import apply_spec
+
+    spec = patching.PatchSpec("future_model", "transformers.models.future_model.modeling_future_model", (), ())
+    with pytest.raises(ImportError, match=r"liger-dspine: transformers \S+ has no future_model model"):
+        apply_spec(spec, {})
