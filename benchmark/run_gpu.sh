@@ -4,6 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
+#         | profile-dspine
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). Every step runs under `timeout`
 # inside one budget for the whole script, so the command ends in time and $OUT holds what finished.
@@ -103,12 +104,23 @@ for step in "$@"; do
         --impl liger-dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl liger-dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
+    # where the time of the fused DSpine objective (both widths) and the memory of a DSpine step go
+    profile-dspine)
+      for width in "7168 129280" "4096 151936"; do
+        read -r hidden vocab <<<"$width"
+        timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_dspine.py --part objective --hidden "$hidden" \
+          --vocab "$vocab" 2>&1 | tee -a "$OUT/profile_dspine_objective.txt"
+      done
+      for rows in "" 512; do
+        timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_dspine.py --part step \
+          ${rows:+--head-chunk-rows $rows} 2>&1 | tee -a "$OUT/profile_dspine_step.txt"
+      done ;;
     # DSpine: the objective alone at two widths, the whole step in four variants and three modes, accuracy vs fp32
     bench-dspine) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part all --name dspine ;;
     bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;
     bench-dspine-step) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part step --name dspine_step ;;
     bench-dspine-accuracy) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part accuracy --name dspine_accuracy ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine*)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

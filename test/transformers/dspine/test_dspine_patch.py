@@ -24,8 +24,10 @@ from liger_dspine.models.dspine import DSpineAccumulationWindow
 from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
 from liger_dspine.models.dspine import builders
+from liger_dspine.models.dspine.attention import DSpineAttention
 from liger_dspine.models.dspine.fused_switch import fused_objective_on
 from liger_dspine.models.dspine.injection import AdjacentInjection
+from liger_dspine.models.dspine.liger_attention import LigerDSpineAttention
 from liger_dspine.models.dspine.liger_injection import LigerAdjacentInjection
 from liger_dspine.models.dspine.objective import BACKBONE_CE
 from liger_dspine.modules.rms_norm import LigerRMSNorm
@@ -44,6 +46,7 @@ NORM_NAMES = [
 PATCHED_GLOBALS = [
     "liger_dspine.models.dspine.builders.Qwen3RMSNorm",
     "liger_dspine.models.dspine.builders.Qwen3MLP",
+    "liger_dspine.models.dspine.builders.DSpineAttention",
     "liger_dspine.models.dspine.builders.AdjacentInjection",
     "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
 ]
@@ -54,6 +57,7 @@ def assert_native_globals() -> None:
     assert builders.Qwen3RMSNorm is Qwen3RMSNorm
     assert builders.Qwen3MLP is Qwen3MLP
     assert builders.AdjacentInjection is AdjacentInjection
+    assert builders.DSpineAttention is DSpineAttention
     assert DSpineObjective.patched_fused_objective is NATIVE_SWITCH
 
 
@@ -102,11 +106,15 @@ def module_kinds(model) -> dict:
     }
 
 
-def assert_kinds(model, norm: type, mlp: type, injection: type | None = None) -> None:
+def assert_kinds(
+    model, norm: type, mlp: type, injection: type | None = None, attention: type | None = None
+) -> None:
     expected = {name: norm for name in NORM_NAMES} | {f"layers.{i}.mlp": mlp for i in range(N_LAYERS)}
     assert module_kinds(model) == expected
     if injection is not None:
         assert type(model.injection) is injection
+    if attention is not None:
+        assert [type(layer.self_attn) for layer in model.layers] == [attention] * N_LAYERS
     # nothing else holds a norm or an MLP of the other kind
     other_norm = Qwen3RMSNorm if norm is LigerRMSNorm else LigerRMSNorm
     other_mlp = Qwen3MLP if mlp is LigerSwiGLUMLP else LigerSwiGLUMLP
@@ -114,11 +122,11 @@ def assert_kinds(model, norm: type, mlp: type, injection: type | None = None) ->
 
 
 def assert_native(model) -> None:
-    assert_kinds(model, Qwen3RMSNorm, Qwen3MLP, AdjacentInjection)
+    assert_kinds(model, Qwen3RMSNorm, Qwen3MLP, AdjacentInjection, DSpineAttention)
 
 
 def assert_liger(model) -> None:
-    assert_kinds(model, LigerRMSNorm, LigerSwiGLUMLP, LigerAdjacentInjection)
+    assert_kinds(model, LigerRMSNorm, LigerSwiGLUMLP, LigerAdjacentInjection, LigerDSpineAttention)
     for name in NORM_NAMES:
         norm = model.get_submodule(name)
         assert norm.casting_mode == "llama" and not norm.in_place and norm.variance_epsilon == 1e-6, name
@@ -162,7 +170,7 @@ def test_class_level_patch_reaches_models_built_afterwards(class_level, target):
 )
 def test_class_level_options_choose_the_swaps(class_level, target, options, norm, mlp, fused):
     report = apply_liger_kernel_to_dspine(**options)
-    assert len(report) == 3
+    assert len(report) == 4
     objective = build_objective(target)
     assert_kinds(objective.draft_model, norm, mlp)
     assert objective.fused_objective is fused
@@ -187,7 +195,7 @@ def test_drafter_built_under_the_class_patch_reports_already_patched(class_level
     apply_liger_kernel_to_dspine()
     objective = build_objective(target)
     report = apply_liger_kernel_to_dspine(model=objective)
-    assert [(r.count, r.already) for r in report] == [(10, True), (2, True), (1, True), (1, True)]
+    assert [(r.count, r.already) for r in report] == [(10, True), (2, True), (2, True), (1, True), (1, True)]
 
 
 # ------------------------------------------------------------------------------------------------ instance level
@@ -200,6 +208,7 @@ def test_instance_patch_of_a_drafter(target):
     assert [(r.target, r.count, r.already) for r in report] == [
         ("Qwen3RMSNorm modules", 10, False),
         ("Qwen3MLP modules", 2, False),
+        ("DSpineAttention modules", 2, False),
         ("AdjacentInjection modules", 1, False),
     ]  # a drafter holds no objective: fused_objective finds nothing to replace
     assert_liger(draft)
@@ -213,7 +222,7 @@ def test_instance_patch_of_a_drafter(target):
 def test_instance_patch_of_an_objective(target):
     objective, other = build_objective(target), build_objective(target)
     report = apply_liger_kernel_to_dspine(model=objective)
-    assert report_lines(report)[3] == (
+    assert report_lines(report)[4] == (
         "DSpineObjective.patched_fused_objective of the instance",
         "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
         "liger_dspine.models.dspine.fused_switch.fused_objective_on",
@@ -232,7 +241,7 @@ def test_instance_patch_of_an_objective(target):
 def test_instance_patch_options(target):
     objective = build_objective(target)
     report = apply_liger_kernel_to_dspine(rms_norm=False, fused_objective=False, model=objective)
-    assert [r.target for r in report] == ["Qwen3MLP modules", "AdjacentInjection modules"]
+    assert [r.target for r in report] == ["Qwen3MLP modules", "DSpineAttention modules", "AdjacentInjection modules"]
     assert_kinds(objective.draft_model, Qwen3RMSNorm, LigerSwiGLUMLP, LigerAdjacentInjection)
     assert not objective.fused_objective
 
@@ -273,7 +282,7 @@ def test_registry_serves_dspine(class_level, target):
     assert_native_globals()
 
     report = apply_liger_kernel("dspine", fused_objective=False)
-    assert [r.target for r in report] == PATCHED_GLOBALS[:3]
+    assert [r.target for r in report] == PATCHED_GLOBALS[:4]
     assert_liger(build_draft(target))
 
 
@@ -360,7 +369,7 @@ def test_patched_training_matches_native_fp32(target, fused_objective):
     native = build_objective(target)
     patched = copy.deepcopy(native)
     report = apply_liger_kernel_to_dspine(fused_objective=fused_objective, model=patched)
-    assert len(report) == (4 if fused_objective else 3)
+    assert len(report) == (5 if fused_objective else 4)
     assert patched.fused_objective is fused_objective
     batches = make_batches(target, 2)
     compare_fp32(train(native, batches), train(patched, batches))

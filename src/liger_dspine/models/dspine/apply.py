@@ -11,6 +11,7 @@ def apply_liger_kernel_to_dspine(
     model=None,
     *,
     injection: bool = True,
+    attention: bool = True,
 ) -> patching.PatchReport:
     """Swap a DSpine drafter's modules (and its objective's frozen-head terms) for Liger kernels.
 
@@ -22,6 +23,9 @@ def apply_liger_kernel_to_dspine(
             (no [rows, vocab] logits kept, the input gradient formed in the forward, no head gradient).
         injection: (keyword-only) the spine's ``AdjacentInjection`` -> ``LigerAdjacentInjection``, whose writes and
             features keep about three [tokens, hidden] buffers per layer fewer for the backward.
+        attention: (keyword-only) ``DSpineAttention`` -> ``LigerDSpineAttention``: with sdpa on CUDA in bf16 / fp16,
+            the same attention kernel keeping the key-value heads, not their repeats to every query head, for the
+            backward (two [B, heads, context + draft, head_dim] tensors per layer fewer).
         model: None patches at class level (every drafter built afterwards, every objective); a ``DSpineDraftModel``
             or a ``DSpineObjective`` patches that instance only (an objective includes its drafter).
 
@@ -29,7 +33,9 @@ def apply_liger_kernel_to_dspine(
         A ``PatchReport`` listing what was replaced, old -> new.
     """
     require_supported_versions()
-    options = dict(rms_norm=rms_norm, swiglu=swiglu, fused_objective=fused_objective, injection=injection)
+    options = dict(
+        rms_norm=rms_norm, swiglu=swiglu, fused_objective=fused_objective, injection=injection, attention=attention
+    )
     if model is None:
         return patching.apply_class_level(DSPINE_SPEC, options)
     report = patching.apply_to_instance(DSPINE_SPEC, options, model)

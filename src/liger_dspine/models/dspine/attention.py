@@ -8,13 +8,12 @@ gradients, whatever the backend does with fully masked rows.
 
 import functools
 from dataclasses import dataclass
+from dataclasses import field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
-
-from liger_dspine.models.dspine import builders
 
 SUPPORTED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
@@ -31,6 +30,20 @@ class PreparedMask:
     dense: torch.Tensor | None = None
     row_visible: torch.Tensor | None = None
     block_mask: object | None = None
+    _biases: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``dense`` as an additive bias [B, 1, Q, K] in ``dtype`` (0 where attended, -inf elsewhere), made once.
+
+        sdpa turns a bool mask into this bias itself, in every call, and its backward keeps each copy: one bias
+        shared by every layer saves a [B, 1, Q, K] tensor per layer after the first.
+        """
+        bias = self._biases.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device)
+            bias.masked_fill_(~self.dense, float("-inf"))
+            self._biases[dtype] = bias
+        return bias
 
 
 def prepare_mask(mask) -> PreparedMask:
@@ -64,7 +77,8 @@ def _eager(query, key, value, mask: PreparedMask, scaling: float, dropout: float
 
 def _sdpa(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int) -> torch.Tensor:
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask.dense, dropout_p=dropout, scale=scaling)
+    bias = mask.additive(query.dtype)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
 
 
 @functools.cache
@@ -93,6 +107,8 @@ class DSpineAttention(nn.Module):
     """Grouped-query attention of the draft block over [context ; draft], q/k RMS-normed per head."""
 
     def __init__(self, config, use_liger_kernel: bool = False):
+        from liger_dspine.models.dspine import builders  # builders looks this class up at import
+
         super().__init__()
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -138,18 +154,21 @@ class DSpineAttention(nn.Module):
         query = apply_rotary(query, cos[:, -q_len:], sin[:, -q_len:])
         key = apply_rotary(key, cos, sin)
 
-        implementation = self.config._attn_implementation or "sdpa"
-        dropout = self.attention_dropout if self.training else 0.0
-        args = (query, key, value, attention_mask, self.scaling, dropout, self.num_key_value_groups)
-        if implementation == "sdpa":
-            output = _sdpa(*args)
-        elif implementation == "eager":
-            output = _eager(*args)
-        elif implementation == "flex_attention":
-            output = _flex(*args, **kwargs)
-        else:
-            raise ValueError(f"DSpine attention supports {SUPPORTED_ATTENTION}, got {implementation!r}")
+        output = self._attend(query, key, value, attention_mask, **kwargs)
         if attention_mask.row_visible is not None:
             output = output * attention_mask.row_visible.to(output.dtype)
         output = output.transpose(1, 2).reshape(batch, q_len, -1)
         return self.o_proj(output)
+
+    def _attend(self, query, key, value, attention_mask: PreparedMask, **kwargs) -> torch.Tensor:
+        """q [B, N, Q, D], k / v [B, N_kv, S+Q, D] -> [B, N, Q, D] through ``config._attn_implementation``."""
+        implementation = self.config._attn_implementation or "sdpa"
+        dropout = self.attention_dropout if self.training else 0.0
+        args = (query, key, value, attention_mask, self.scaling, dropout, self.num_key_value_groups)
+        if implementation == "sdpa":
+            return _sdpa(*args)
+        if implementation == "eager":
+            return _eager(*args)
+        if implementation == "flex_attention":
+            return _flex(*args, **kwargs)
+        raise ValueError(f"DSpine attention supports {SUPPORTED_ATTENTION}, got {implementation!r}")

@@ -1,16 +1,18 @@
-"""The one place the DSpine drafter gets its RMSNorm, SwiGLU MLP and injection modules from.
+"""The one place the DSpine drafter gets its RMSNorm, SwiGLU MLP, attention and injection modules from.
 
-Native modules are transformers' ``Qwen3RMSNorm`` / ``Qwen3MLP`` and this package's ``AdjacentInjection``, looked up
-through this module's globals at build time, so a class-level patch of these names redirects every model built
-afterwards. ``use_liger=True`` builds this package's ``LigerRMSNorm`` (liger-kernel's kernel, casting mode "llama":
-the same fp32 statistics as ``Qwen3RMSNorm``), ``LigerSwiGLUMLP`` and ``LigerAdjacentInjection``; liger-kernel is
-imported only then. Both kinds own the same parameter names, so state dicts do not depend on the choice.
+Native modules are transformers' ``Qwen3RMSNorm`` / ``Qwen3MLP`` and this package's ``DSpineAttention`` and
+``AdjacentInjection``, looked up through this module's globals at build time, so a class-level patch of these names
+redirects every model built afterwards. ``use_liger=True`` builds this package's ``LigerRMSNorm`` (liger-kernel's
+kernel, casting mode "llama": the same fp32 statistics as ``Qwen3RMSNorm``), ``LigerSwiGLUMLP``,
+``LigerDSpineAttention`` and ``LigerAdjacentInjection``; liger-kernel is imported only then. Both kinds own the same
+parameter names, so state dicts do not depend on the choice.
 """
 
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from liger_dspine.models.dspine.attention import DSpineAttention
 from liger_dspine.models.dspine.injection import AdjacentInjection
 
 
@@ -21,6 +23,15 @@ def make_rms_norm(hidden_size: int, eps: float, use_liger: bool = False) -> nn.M
 
         return LigerRMSNorm(hidden_size, eps=eps)
     return Qwen3RMSNorm(hidden_size, eps=eps)
+
+
+def make_attention(config, use_liger: bool = False) -> nn.Module:
+    """The draft block's grouped-query attention over [context ; draft] (see :class:`DSpineAttention`)."""
+    if use_liger:
+        from liger_dspine.models.dspine.liger_attention import LigerDSpineAttention
+
+        return LigerDSpineAttention(config, use_liger)
+    return DSpineAttention(config, use_liger)
 
 
 def make_mlp(config, use_liger: bool = False) -> nn.Module:

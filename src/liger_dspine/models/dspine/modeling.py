@@ -15,7 +15,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from liger_dspine.models.dspine import builders
-from liger_dspine.models.dspine.attention import DSpineAttention
 from liger_dspine.models.dspine.attention import prepare_mask
 from liger_dspine.models.dspine.configuration import DSpineDraftConfig
 from liger_dspine.models.dspine.configuration import is_dspine_config_dict
@@ -38,7 +37,7 @@ class DSpineDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config, use_liger_kernel: bool = False):
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.self_attn = DSpineAttention(config, use_liger_kernel)
+        self.self_attn = builders.make_attention(config, use_liger_kernel)
         self.mlp = builders.make_mlp(config, use_liger_kernel)
         self.input_layernorm = builders.make_rms_norm(config.hidden_size, config.rms_norm_eps, use_liger_kernel)
         self.post_attention_layernorm = builders.make_rms_norm(

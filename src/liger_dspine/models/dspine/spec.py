@@ -17,6 +17,8 @@ DSPINE_SPEC = PatchSpec(
         # layer norms, q/k norms, hidden_norm and the final norm are all built through builders.Qwen3RMSNorm
         ClassSwap("rms_norm", ("Qwen3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", ("Qwen3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        # the draft-block attention, keeping the key-value heads (not their repeats) for the backward
+        ClassSwap("attention", ("DSpineAttention",), "liger_dspine.models.dspine.liger_attention:LigerDSpineAttention"),
         # the spine's writes and features, keeping no fp32 copy of the states nor the written delta
         ClassSwap(
             "injection", ("AdjacentInjection",), "liger_dspine.models.dspine.liger_injection:LigerAdjacentInjection"

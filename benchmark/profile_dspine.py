@@ -1,0 +1,148 @@
+"""Where the time and the memory of DSpine training go (GPU).
+
+- ``--part objective``: the fused objective (``DSpineObjective.block_terms`` forward + backward) at one width under
+  torch.profiler; CUDA kernels grouped into GEMM / Triton / other, and the top kernels.
+- ``--part step``: one whole training step (accumulation 1, Liger layers and fused objective unless ``--native``):
+  allocated memory and the peak so far at the start and end of each drafter layer's forward, of the objective,
+  after the backward and after the optimizer step; the tensors saved for backward by shape.
+
+    python benchmark/profile_dspine.py --part objective --hidden 7168 --vocab 129280
+    python benchmark/profile_dspine.py --part step [--head-chunk-rows 512]
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_dspine import build_objective  # noqa: E402
+from bench_dspine import objective_inputs  # noqa: E402
+from bench_dspine import step_batch  # noqa: E402
+from profile_step import kernel_category  # noqa: E402
+
+GIB = 2**30
+
+
+def profile_objective(torch, args) -> None:
+    objective = build_objective(args.hidden, args.vocab, 1, False, True, torch.bfloat16, "cuda", False)
+    objective.head_chunk_rows = args.head_chunk_rows
+    inputs = objective_inputs(objective, args.blocks, 11, "cuda", torch.bfloat16)
+    leaves = [inputs[k] for k in ("hidden", "pre", "features")]
+
+    def call():
+        for leaf in leaves:
+            leaf.grad = None
+        backbone, _, _, ref, align, _, _ = objective.block_terms(**inputs)
+        (backbone + ref + 0.5 * align).backward()
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        torch.cuda.synchronize()
+    report_kernels(torch, prof, args.top, f"objective {args.hidden} / {args.vocab}, {args.blocks} blocks")
+
+
+def report_kernels(torch, prof, top, title) -> None:
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_category = collections.Counter()
+    for e in events:
+        by_category[kernel_category(e.key)] += e.self_device_time_total
+    total = sum(by_category.values())
+    print(f"\n## CUDA time of {title}: {total / 1e3:.1f} ms")
+    for category, us in by_category.most_common():
+        print(f"{us / 1e3:9.1f} ms  {us / total:6.1%}  {category}")
+    print(f"\n## top {top} kernels")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms  x{e.count:<5d} {e.key[:110]}")
+
+
+def profile_step(torch, args) -> None:
+    liger = fused = not args.native
+    objective = build_objective(4096, 151936, 5, liger, fused, torch.bfloat16, "cuda", False, anchors=512)
+    objective.head_chunk_rows = args.head_chunk_rows
+    draft = objective.draft_model
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-5)
+    batch = step_batch(objective, 2, 3072, 100, "cuda", torch.bfloat16)
+
+    def step():
+        torch.manual_seed(1000)
+        objective(**batch, global_step=100, total_steps=1000).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    events = []
+
+    def note(what):
+        events.append((what, torch.cuda.memory_allocated() / GIB, torch.cuda.max_memory_allocated() / GIB))
+
+    handles = []
+    watched = [(f"layer {i}", layer) for i, layer in enumerate(draft.layers)] + [("objective", objective)]
+    for name, module in watched:
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: note(f"fwd start {name}")))
+        handles.append(module.register_forward_hook(lambda m, a, o, name=name: note(f"fwd end   {name}")))
+    saved = collections.Counter()
+    seen = set()
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if t.is_cuda and key not in seen and not isinstance(t, torch.nn.Parameter):
+            seen.add(key)
+            saved[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
+        return t
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() / GIB
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(1000)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = objective(**batch, global_step=100, total_steps=1000)
+    note("after forward")
+    out.loss.backward()
+    torch.cuda.synchronize()
+    note("after backward")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    note("after optimizer step")
+    for handle in handles:
+        handle.remove()
+    kind = "native" if args.native else "liger-dspine"
+    print(f"\n## memory trace of one step ({kind}, head_chunk_rows={args.head_chunk_rows}); before: {base:.2f} GiB")
+    print("allocated above base, peak above base (GiB)")
+    for what, allocated, peak in events:
+        print(f"{allocated - base:7.2f} {peak - base:7.2f}  {what}")
+    total = sum(saved.values())
+    print(f"\n## saved for backward: {total / GIB:.2f} GiB (unique storages), top {args.top}")
+    for (shape, dtype), nbytes in saved.most_common(args.top):
+        print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("objective", "step"), required=True)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--vocab", type=int, default=129280)
+    parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--head-chunk-rows", type=int, default=None)
+    parser.add_argument("--native", action="store_true", help="step: the native drafter and objective")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    import torch
+
+    if args.part == "objective":
+        profile_objective(torch, args)
+    else:
+        profile_step(torch, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
