@@ -22,6 +22,8 @@ def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
 class LigerGroupedAttentionFunction(torch.autograd.Function):
     """``(q [B, N, Q, D], k [B, N/g, K, D], v [B, N/g, K, D], bias [B, 1, Q, K], scale, groups) -> [B, N, Q, D]``."""
 
+    kernel_ops = ()  # torch's own attention ops, which have fake implementations
+
     @staticmethod
     def forward(ctx, query, key, value, bias, scale, groups):
         batch, heads, q_len, _ = query.shape
