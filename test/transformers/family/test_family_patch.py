@@ -234,3 +234,25 @@ def test_a_model_missing_from_transformers_is_named():
     spec = patching.PatchSpec("future_model", "transformers.models.future_model.modeling_future_model", (), ())
     with pytest.raises(ImportError, match=r"liger-dspine: transformers \S+ has no future_model model"):
         apply_spec(spec, {})
+
+
+def test_auto_model_patches_the_classes_then_builds(case, class_level):
+    from liger_dspine import AutoLigerDSpineForCausalLM
+
+    model = AutoLigerDSpineForCausalLM.from_config(case.config(), fused_linear_cross_entropy=False)
+    types = {type(m) for m in model.modules()}
+    assert LigerRMSNorm in types and LigerSwiGLUMLP in types
+    assert not {t for t in types if t.__name__ in case.swapped}
+    assert type(model).forward is getattr(class_level, f"{case.prefix}ForCausalLM").forward  # the loss stays native
+    assert type(model).forward.__module__ == class_level.__name__
+
+
+def test_inspect_reports_the_swaps_of_a_saved_config(case, capsys, tmp_path):
+    from liger_dspine.cli import main
+
+    case.config().save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path / "config.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"liger-dspine patch for {case.model_type} (instance level):"
+    targets = {line.split(" x")[0].strip() for line in lines[1:]}
+    assert targets == expected_targets(case, case.modeling_or_skip(), "{} modules", "{} of the instance")

@@ -66,40 +66,73 @@ def assert_liger_dspine_modules(model) -> None:
     assert not [t for t in types if t.__module__.startswith("liger_kernel")]
 
 
-def test_table_serves_deepseek_v3_and_dspine():
-    assert MODEL_TYPE_TO_APPLY_LIGER_FN == {
-        "deepseek_v3": apply_liger_kernel_to_deepseek_v3,
-        "dspine": apply_liger_kernel_to_dspine,
-    }
+OURS = ["axk1", "deepseek_v3", "dots1", "dspine", "glm4_moe", "glm4_moe_lite", "sarvam_mla", "youtu"]
+
+
+def test_table_serves_deepseek_v3_its_family_and_dspine():
+    import liger_dspine
+
+    assert sorted(MODEL_TYPE_TO_APPLY_LIGER_FN) == OURS
+    assert MODEL_TYPE_TO_APPLY_LIGER_FN["dspine"] is apply_liger_kernel_to_dspine
+    # sarvam_mla's config builds DeepseekV3ForCausalLM: DeepSeek-V3's function serves it
+    assert MODEL_TYPE_TO_APPLY_LIGER_FN["sarvam_mla"] is apply_liger_kernel_to_deepseek_v3
+    for model_type in set(OURS) - {"sarvam_mla"}:
+        assert MODEL_TYPE_TO_APPLY_LIGER_FN[model_type] is getattr(liger_dspine, f"apply_liger_kernel_to_{model_type}")
+
+
+def test_sarvam_mla_builds_a_deepseek_v3_model_that_the_table_patches():
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "sarvam_mla" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no sarvam_mla")
+    values = {k: v for k, v in tiny_deepseek_v3_config().to_diff_dict().items() if k != "model_type"}
+    config = AutoConfig.for_model("sarvam_mla", **values)
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is DeepseekV3ForCausalLM and model.config.model_type == "sarvam_mla"
+    report = apply_liger_kernel_to_instance(model)
+    assert report.model_type == "deepseek_v3"
+    assert_liger_dspine_modules(model)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "mistral4", "glm4v_moe", "kimi_linear", "deepseek_v4"])
+def test_unsupported_family_members_are_named_as_such(model_type):
+    with pytest.raises(
+        ValueError, match=f"liger-dspine: '{model_type}' is built partly from DeepSeek-V3's classes, but"
+    ):
+        apply_liger_kernel(model_type)
 
 
 def test_register_with_liger_replaces_liger_entry(liger_table):
-    ours = ("deepseek_v3", "dspine")
-    others = {k: v for k, v in liger_table.items() if k not in ours}
+    others = {k: v for k, v in liger_table.items() if k not in OURS}
 
     result = register_with_liger()
 
-    assert result == {"registered": ["deepseek_v3", "dspine"], "left_alone": []}
+    assert sorted(result["registered"]) == OURS and result["left_alone"] == []
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
     assert liger_table["dspine"] is apply_liger_kernel_to_dspine
-    assert {k: v for k, v in liger_table.items() if k not in ours} == others
+    assert {k: v for k, v in liger_table.items() if k not in OURS} == others
     # registering again is harmless
-    assert register_with_liger(override=False) == {"registered": ["deepseek_v3", "dspine"], "left_alone": []}
+    again = register_with_liger(override=False)
+    assert sorted(again["registered"]) == OURS and again["left_alone"] == []
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
 
 
 def test_register_without_override_keeps_liger_entry(liger_table):
     result = register_with_liger(override=False)
 
-    # liger-kernel has no dspine entry: it is added; its deepseek_v3 entry is kept
-    assert result == {"registered": ["dspine"], "left_alone": ["deepseek_v3"]}
+    # liger-kernel has no dspine or family entry: they are added; its deepseek_v3 entry is kept
+    assert sorted(result["registered"]) == sorted(set(OURS) - {"deepseek_v3"})
+    assert result["left_alone"] == ["deepseek_v3"]
     assert liger_table["deepseek_v3"] is LIGER_DEEPSEEK_V3_FN
 
 
 def test_register_without_override_adds_a_missing_entry(liger_table):
     del liger_table["deepseek_v3"]
 
-    assert register_with_liger(override=False) == {"registered": ["deepseek_v3", "dspine"], "left_alone": []}
+    result = register_with_liger(override=False)
+    assert sorted(result["registered"]) == OURS and result["left_alone"] == []
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
 
 
@@ -153,7 +186,7 @@ def test_apply_liger_kernel_to_instance_patches_the_model():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: apply_liger_kernel("llama"), ValueError, r"'llama'.*supported: deepseek_v3"),
+        (lambda: apply_liger_kernel("llama"), ValueError, r"no patch for model type 'llama'; supported: .*deepseek_v3"),
         (lambda: apply_liger_kernel("deepseek_v3", not_a_flag=True), TypeError, "not_a_flag"),
         (lambda: apply_liger_kernel("deepseek_v3", model=torch.nn.Linear(2, 2)), TypeError, "instance"),
         (
@@ -161,7 +194,11 @@ def test_apply_liger_kernel_to_instance_patches_the_model():
             TypeError,
             "bogus",
         ),
-        (lambda: apply_liger_kernel_to_instance(tiny_llama()), ValueError, r"'llama'.*supported: deepseek_v3"),
+        (
+            lambda: apply_liger_kernel_to_instance(tiny_llama()),
+            ValueError,
+            r"no patch for model type 'llama'; supported: .*deepseek_v3",
+        ),
         (lambda: apply_liger_kernel_to_instance(torch.nn.Linear(2, 2)), ValueError, "config.model_type"),
     ],
     ids=["unknown_type", "unknown_option", "model_to_class_patch", "unknown_instance_option", "llama", "no_config"],
