@@ -16,6 +16,10 @@ Applying again: the latest call describes the model, at class level and on an in
 on is applied (or reported as already there); a swap whose option is off is undone where an earlier call of this
 package applied it. After the options are resolved, at most one enabled swap may target a class or a method.
 
+Before an instance patch changes anything it refuses a module the replacement would compute differently: a subclass
+of the native class with a forward of its own, or one the replacement's ``check_convertible(module)`` refuses (a
+clamped or non-SiLU SwiGLU, expert biases).
+
 A spec may also list ``ModuleCheck``s: what the modules of a model must hold according to its config (submodules,
 tensor shapes). An instance patch runs them before it swaps anything and refuses a model that fails one.
 """
@@ -287,6 +291,7 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
         )
     check_single_swap_per_target(spec, options)
     check_modules(spec, model)
+    _check_convertible(spec, options, model)
     report = PatchReport(spec.model_type, "instance")
     for swap in _disabled_swaps(spec, options):
         _undo_instance_swap(spec, swap, model, report)
@@ -323,6 +328,30 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             target = f"{swap.owner}.{swap.method} of the instance"
             _record_conversions(report, target, vars(owner)[swap.method], new, converted, already)
     return report
+
+
+def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Module) -> None:
+    """Refuse, before anything changes, a module the replacement would compute differently: a subclass of the
+    native class with a forward of its own, or one the replacement's ``check_convertible`` refuses."""
+    for swap in _enabled_swaps(spec, options):
+        if not isinstance(swap, ClassSwap):
+            continue
+        old = native_class(spec, swap)
+        if not isinstance(old, type):
+            continue
+        new = load_object(swap.replacement)
+        check = getattr(new, "check_convertible", None)
+        for path, module in model.named_modules():
+            if isinstance(module, new) or not isinstance(module, old):
+                continue
+            if type(module).forward is not old.forward:
+                raise ValueError(
+                    f"liger-dspine: {path or type(model).__name__} is a {type(module).__name__}, a subclass of "
+                    f"{old.__name__} with a forward of its own, which {new.__name__} would not compute; nothing was "
+                    "patched"
+                )
+            if check is not None:
+                check(module)
 
 
 def _effective_method(instance, method: str):

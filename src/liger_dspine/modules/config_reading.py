@@ -23,6 +23,35 @@ def check_activation(config, what: str) -> None:
         raise ValueError(f"liger-dspine: {what} fuses SiLU only; config.hidden_act is {activation!r}")
 
 
+# fields that clamp a SwiGLU's gate and up projections (DeepSeek-V4, GLM-5.3, HY-V4, MiniMax-M3, gpt-oss)
+CLAMP_FIELDS = ("swiglu_limit", "limit")
+
+
+def is_silu_module(act_fn) -> bool:
+    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+def check_plain_swiglu(what: str, config, module: nn.Module | None = None) -> None:
+    """A ValueError unless ``silu(gate) * up`` is what the config and the module compute: ``config.hidden_act`` is
+    SiLU (when a config is given), the module's ``act_fn`` (if any) is SiLU, and neither clamps the projections."""
+    if config is not None:
+        check_activation(config, what)
+    for holder, label in ((config, "config"), (module, "this module")):
+        for name in CLAMP_FIELDS:
+            value = None if holder is None else getattr(holder, name, None)
+            if value is not None:
+                raise ValueError(
+                    f"liger-dspine: {what} computes silu(gate) * up without a clamp; {label} has {name}={value!r} "
+                    "(a clamped SwiGLU): its numbers would change"
+                )
+    act_fn = None if module is None else getattr(module, "act_fn", None)
+    if act_fn is not None and not is_silu_module(act_fn):
+        raise ValueError(
+            f"liger-dspine: {what} computes silu(gate) * up; this module's act_fn is {type(act_fn).__name__}, "
+            "which would be dropped"
+        )
+
+
 def expert_sizes(config) -> tuple[int, int, int]:
     """(routed experts E, hidden H, expert width I) of a MoE config."""
     for name in ("n_routed_experts", "num_local_experts", "num_experts"):

@@ -3,7 +3,7 @@ from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
-from liger_dspine.modules.config_reading import check_activation
+from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import expert_sizes
 
 
@@ -16,15 +16,20 @@ class LigerFusedExperts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        check_activation(config, "LigerFusedExperts")
+        check_plain_swiglu("LigerFusedExperts", config)
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
 
     @classmethod
-    def convert(cls, module: nn.Module) -> None:
+    def check_convertible(cls, module: nn.Module) -> None:
         if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
             raise ValueError("liger-dspine: LigerFusedExperts has no expert biases; this experts module has them")
+        check_plain_swiglu("LigerFusedExperts", getattr(module, "config", None), module)
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> None:
+        cls.check_convertible(module)
         module.num_experts, module.hidden_dim, module.intermediate_dim = (
             module.gate_up_proj.shape[0],
             module.gate_up_proj.shape[2],

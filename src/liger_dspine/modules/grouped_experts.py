@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import check_silu
 from liger_dspine.modules.config_reading import expert_sizes
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
@@ -36,21 +37,21 @@ class LigerGroupedExperts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        check_silu(getattr(config, "hidden_act", None), "LigerGroupedExperts")
+        check_plain_swiglu("LigerGroupedExperts", config)
         self.config = config
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
 
     @classmethod
-    def convert(cls, module: nn.Module) -> None:
-        """Turn a transformers experts module (``DeepseekV3Experts``) into this class in place, keeping its weights;
-        a ValueError, and the module unchanged, when it has biases, another activation or another weight layout."""
+    def check_convertible(cls, module: nn.Module) -> None:
+        """A ValueError when the module has biases, another or a clamped activation, or another weight layout."""
         if getattr(module, "has_bias", False) or any(
             getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
         ):
             raise ValueError("liger-dspine: LigerGroupedExperts has no expert biases; this experts module has them")
         check_silu(_activation_of(module), "LigerGroupedExperts")
+        check_plain_swiglu("LigerGroupedExperts", getattr(module, "config", None), module)
         for name, expected in _NATIVE_LAYOUT.items():
             value = getattr(module, name, expected)
             if value != expected:
@@ -64,6 +65,13 @@ class LigerGroupedExperts(nn.Module):
                 f"liger-dspine: LigerGroupedExperts needs gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got "
                 f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
             )
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> None:
+        """Turn a transformers experts module (``DeepseekV3Experts``) into this class in place, keeping its weights;
+        a ValueError, and the module unchanged, when ``check_convertible`` refuses it."""
+        cls.check_convertible(module)
+        num_experts, two_intermediate, hidden = module.gate_up_proj.shape
         module.num_experts, module.hidden_dim, module.intermediate_dim = num_experts, hidden, two_intermediate // 2
         module.__class__ = cls
 

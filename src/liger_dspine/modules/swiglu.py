@@ -3,7 +3,7 @@ from liger_kernel.ops import LigerSiLUMulFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
-from liger_dspine.modules.config_reading import check_activation
+from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
 
@@ -21,7 +21,7 @@ class LigerSwiGLUMLP(nn.Module):
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        check_activation(config, "LigerSwiGLUMLP")
+        check_plain_swiglu("LigerSwiGLUMLP", config)
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
@@ -30,8 +30,12 @@ class LigerSwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
 
     @classmethod
+    def check_convertible(cls, module: nn.Module) -> None:
+        check_plain_swiglu("LigerSwiGLUMLP", getattr(module, "config", None), module)
+
+    @classmethod
     def convert(cls, module: nn.Module) -> None:
-        check_activation(module.config, "LigerSwiGLUMLP")
+        cls.check_convertible(module)
         module.__class__ = cls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
