@@ -2,7 +2,7 @@
 # Tests and benchmark on the GPU machine, in one command of at most 10 minutes; logs, CSVs and plots go to $OUT.
 #
 #   bash benchmark/run_gpu.sh STEP...
-#   STEP: tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
+#   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
 #         | profile-dspine
 #
@@ -87,6 +87,8 @@ for step in "$@"; do
     tests) run_pytest tests.log test -m cuda --ignore=test/convergence ;;
     convergence) run_pytest convergence.log test/convergence -k bf16 ;;
     bench-quick) run_bench --suite quick ;;
+    # native and liger-dspine, eager and torch.compile, at 2 layers / 4096 (bench_compile.py)
+    bench-compile) BENCH_SCRIPT=benchmark/bench_compile.py run_bench ;;
     bench-part1) run_bench --suite full --part 1 ;;
     bench-part2) run_bench --suite full --part 2 ;;
     # liger-dspine's defaults and its opt-in memory saver at the lengths of the memory goals
@@ -120,7 +122,7 @@ for step in "$@"; do
     bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;
     bench-dspine-step) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part step --name dspine_step ;;
     bench-dspine-accuracy) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part accuracy --name dspine_accuracy ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine*)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine*)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done
