@@ -7,9 +7,16 @@ angle of frequency ``j``. transformers' ``apply_rotary_pos_emb_interleave`` writ
     out[..., j]     = x[..., 2j] * cos[..., j] - x[..., 2j + 1] * sin[..., j]        j < C
     out[..., C + j] = x[..., 2j + 1] * cos[..., j] + x[..., 2j] * sin[..., j]
 
-``cos``/``sin`` are ``[B or 1, S, R]`` laid out as ``cat(freqs, freqs)``: only their first half is read. They get
-no gradient (transformers derives them from a buffer). Products and sums run in fp32; results are stored in the
-input dtype.
+Other layouts of the family (``layout``, the rows' arrangement before -> after the turn):
+
+- "interleaved": pairs -> split halves, as above (DeepSeek-V3 and its copies, Mistral-Small-4 with rope_interleave);
+- "pairs": pairs -> pairs, each pair turned in place (DeepSeek-V2's complex form, ``view_as_complex(x) * freqs_cis``);
+- "halves": split halves -> split halves, pair ``j`` being ``(x[j], x[C + j])`` (``rotate_half``: MiniCPM3,
+  Mistral-Small-4 without rope_interleave).
+
+``cos``/``sin`` are ``[B or 1, S, >= C]``, of which the first C columns are read (transformers' ``cat(freqs, freqs)``
+layout, or DeepSeek-V2's ``freqs_cis.real`` / ``.imag``). They get no gradient (transformers derives them from a
+buffer). Products and sums run in fp32; results are stored in the input dtype.
 
 Three entry points, each one ``torch.autograd.Function`` built on one kernel:
 
@@ -42,6 +49,9 @@ _MAX_BLOCK_H = 32
 _ROT_PER_HEAD = 0
 _ROT_BROADCAST = 1
 _ROT_REDUCE = 2
+
+# layout -> (source rows hold pairs, turned rows hold pairs); the backward turns back from the second to the first
+LAYOUTS = {"interleaved": (True, False), "pairs": (True, True), "halves": (False, False)}
 
 
 @triton.jit
@@ -231,6 +241,7 @@ def _launch(
     sin: torch.Tensor | None,
     inverse: bool,
     rot_mode: int,
+    layout: str = "interleaved",
     pass_src: torch.Tensor | None = None,
     pass_dst: torch.Tensor | None = None,
     extra_src: torch.Tensor | None = None,
@@ -274,8 +285,8 @@ def _launch(
         HALF=half,
         ROTATE=cos is not None,
         INVERSE=inverse,
-        SRC_PAIRS=cos is not None and not inverse,
-        DST_PAIRS=cos is not None and inverse,
+        SRC_PAIRS=cos is not None and LAYOUTS[layout][inverse],
+        DST_PAIRS=cos is not None and LAYOUTS[layout][not inverse],
         ROT_MODE=rot_mode,
         BLOCK_H=block_h,
         HEADS_PER_PROGRAM=heads_per_program,
@@ -311,6 +322,11 @@ def _check_rope_width(width: int) -> None:
         raise ValueError(f"liger-dspine: the rope width must be even and positive, got {width}")
 
 
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"liger-dspine: the rope layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+
+
 def _check_constant_angles(cos: torch.Tensor, sin: torch.Tensor) -> None:
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise NotImplementedError("liger-dspine: interleaved RoPE gives no gradient to cos/sin; detach them first")
@@ -329,9 +345,10 @@ def _rope_rotate(
     inverse: bool,
     out_shape: list[int],
     out_strides: list[int],
+    layout: str,
 ) -> torch.Tensor:
-    """x [B, H, S, nope + R] -> a new tensor of the given layout: the first ``nope`` columns copied, the last R
-    turned (by -angle with ``inverse``, from split halves to pairs)."""
+    """x [B, H, S, nope + R] -> a new tensor of the given memory layout: the first ``nope`` columns copied, the last
+    R turned in the rope ``layout`` (by -angle with ``inverse``, from its turned arrangement back to its source's)."""
     out = _empty_layout(out_shape, out_strides, x)
     batch, heads, seq_len, _ = x.shape
     _launch(
@@ -346,17 +363,18 @@ def _rope_rotate(
         sin=sin,
         inverse=inverse,
         rot_mode=_ROT_PER_HEAD,
+        layout=layout,
     )
     return out
 
 
 @_rope_rotate.register_fake
-def _(x, cos, sin, nope, inverse, out_shape, out_strides):
+def _(x, cos, sin, nope, inverse, out_shape, out_strides, layout):
     return _empty_layout(out_shape, out_strides, x)
 
 
 @torch.library.custom_op("liger_dspine::rope_unrotate_", mutates_args=("x",))
-def _rope_unrotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int) -> None:
+def _rope_unrotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, layout: str) -> None:
     """Turn the last R columns of x [B, H, S, nope + R] back by -angle, in place, through a buffer of their size."""
     batch, heads, seq_len, _ = x.shape
     rope = x[..., nope:]
@@ -371,22 +389,23 @@ def _rope_unrotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope:
         sin=sin,
         inverse=True,
         rot_mode=_ROT_PER_HEAD,
+        layout=layout,
     )
     rope.copy_(turned)
 
 
 @_rope_unrotate_.register_fake
-def _(x, cos, sin, nope):
+def _(x, cos, sin, nope, layout):
     return None
 
 
 @torch.library.custom_op("liger_dspine::mla_key", mutates_args=())
 def _mla_key(
-    kv: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, nope: int
+    kv: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, nope: int, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """kv [B, H, S, nope + V], k_rot [B, 1, S, R] -> new key [B, H, S, nope + R] and value [B, H, S, V], both
     position-major."""
-    key, value = _mla_key_fake(kv, k_rot, cos, sin, nope)
+    key, value = _mla_key_fake(kv, k_rot, cos, sin, nope, layout)
     batch, heads, seq_len, _ = kv.shape
     _launch(
         batch=batch,
@@ -402,12 +421,13 @@ def _mla_key(
         sin=sin,
         inverse=False,
         rot_mode=_ROT_BROADCAST,
+        layout=layout,
     )
     return key, value
 
 
 @_mla_key.register_fake
-def _mla_key_fake(kv, k_rot, cos, sin, nope):
+def _mla_key_fake(kv, k_rot, cos, sin, nope, layout):
     batch, heads, seq_len, width = kv.shape
     key = _empty_layout(*_heads_layout(batch, heads, seq_len, nope + k_rot.shape[-1]), kv)
     value = _empty_layout(*_heads_layout(batch, heads, seq_len, width - nope), kv)
@@ -425,10 +445,11 @@ def _mla_key_backward(
     kv_strides: list[int],
     k_rot_shape: list[int],
     k_rot_strides: list[int],
+    layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of kv (key and value parts) and of k_rot (summed over heads), in the given layouts."""
     grad_kv, grad_k_rot = _mla_key_backward_fake(
-        grad_key, grad_value, cos, sin, nope, kv_shape, kv_strides, k_rot_shape, k_rot_strides
+        grad_key, grad_value, cos, sin, nope, kv_shape, kv_strides, k_rot_shape, k_rot_strides, layout
     )
     batch, heads, seq_len, _ = grad_key.shape
     _launch(
@@ -445,31 +466,36 @@ def _mla_key_backward(
         sin=sin,
         inverse=True,
         rot_mode=_ROT_REDUCE,
+        layout=layout,
     )
     return grad_kv, grad_k_rot
 
 
 @_mla_key_backward.register_fake
-def _mla_key_backward_fake(grad_key, grad_value, cos, sin, nope, kv_shape, kv_strides, k_rot_shape, k_rot_strides):
+def _mla_key_backward_fake(
+    grad_key, grad_value, cos, sin, nope, kv_shape, kv_strides, k_rot_shape, k_rot_strides, layout
+):
     return _empty_layout(kv_shape, kv_strides, grad_key), _empty_layout(k_rot_shape, k_rot_strides, grad_key)
 
 
 class LigerInterleavedRopeFunction(torch.autograd.Function):
-    """x [B, H, S, R] -> turned x [B, H, S, R] (contiguous), the layout of transformers' interleaved RoPE."""
+    """x [B, H, S, R] -> turned x [B, H, S, R] (contiguous), by default the layout of transformers' interleaved
+    RoPE (``layout``: see the module docstring)."""
 
     kernel_ops = ("liger_dspine::rope_rotate",)
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "interleaved"):
         batch, heads, seq_len, width = x.shape
         _check_rope_width(width)
         x = _last_dim_unit(x)
         cos = _angles(cos, batch, seq_len, width // 2)
         sin = _angles(sin, batch, seq_len, width // 2)
         contiguous = (heads * seq_len * width, seq_len * width, width, 1)
-        out = _rope_rotate(x, cos, sin, 0, False, list(x.shape), list(contiguous))
+        out = _rope_rotate(x, cos, sin, 0, False, list(x.shape), list(contiguous), layout)
         ctx.save_for_backward(cos, sin)
         ctx.grad_layout = _dense_layout(x)
+        ctx.layout = layout
         return out
 
     @staticmethod
@@ -477,7 +503,7 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         grad_out = _last_dim_unit(grad_out)
         shape, strides = ctx.grad_layout
-        return _rope_rotate(grad_out, cos, sin, 0, True, list(shape), list(strides)), None, None
+        return _rope_rotate(grad_out, cos, sin, 0, True, list(shape), list(strides), ctx.layout), None, None, None
 
 
 class LigerMLAQueryFunction(torch.autograd.Function):
@@ -486,7 +512,7 @@ class LigerMLAQueryFunction(torch.autograd.Function):
     kernel_ops = ("liger_dspine::rope_rotate", "liger_dspine::rope_unrotate_")
 
     @staticmethod
-    def forward(ctx, q_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    def forward(ctx, q_states, cos, sin, rope_dim: int, layout: str = "interleaved") -> torch.Tensor:
         batch, heads, seq_len, width = q_states.shape
         _check_rope_width(rope_dim)
         nope = width - rope_dim
@@ -496,9 +522,10 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         cos = _angles(cos, batch, seq_len, rope_dim // 2)
         sin = _angles(sin, batch, seq_len, rope_dim // 2)
         shape, strides = _heads_layout(batch, heads, seq_len, width)
-        query = _rope_rotate(q_states, cos, sin, nope, False, list(shape), list(strides))
+        query = _rope_rotate(q_states, cos, sin, nope, False, list(shape), list(strides), layout)
         ctx.save_for_backward(cos, sin)
         ctx.nope = nope
+        ctx.layout = layout
         ctx.grad_layout = _dense_layout(q_states)
         return query
 
@@ -511,10 +538,11 @@ class LigerMLAQueryFunction(torch.autograd.Function):
             # The incoming gradient already has q_states' layout (attention kernels give it the query's): the
             # pass columns are right as they are, only the rope columns are turned back, in place, instead of
             # writing a new gradient of the whole query.
-            _rope_unrotate_(grad_query, cos, sin, nope)
-            return grad_query, None, None, None
+            _rope_unrotate_(grad_query, cos, sin, nope, ctx.layout)
+            return grad_query, None, None, None, None
         shape, strides = ctx.grad_layout
-        return _rope_rotate(grad_query, cos, sin, nope, True, list(shape), list(strides)), None, None, None
+        grad_q_states = _rope_rotate(grad_query, cos, sin, nope, True, list(shape), list(strides), ctx.layout)
+        return grad_q_states, None, None, None, None
 
 
 class LigerMLAKeyFunction(torch.autograd.Function):
@@ -528,7 +556,7 @@ class LigerMLAKeyFunction(torch.autograd.Function):
     kernel_ops = ("liger_dspine::mla_key", "liger_dspine::mla_key_backward")
 
     @staticmethod
-    def forward(ctx, kv, k_rot, cos, sin, nope_dim: int):
+    def forward(ctx, kv, k_rot, cos, sin, nope_dim: int, layout: str = "interleaved"):
         batch, heads, seq_len, width = kv.shape
         rope_dim = k_rot.shape[-1]
         _check_rope_width(rope_dim)
@@ -541,10 +569,11 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         if cos is not None:
             cos = _angles(cos, batch, seq_len, rope_dim // 2)
             sin = _angles(sin, batch, seq_len, rope_dim // 2)
-        key, value = _mla_key(kv, k_rot, cos, sin, nope_dim)
+        key, value = _mla_key(kv, k_rot, cos, sin, nope_dim, layout)
         if cos is not None:
             ctx.save_for_backward(cos, sin)
         ctx.rotated = cos is not None
+        ctx.layout = layout
         ctx.nope = nope_dim
         ctx.kv_layout = _dense_layout(kv)
         ctx.k_rot_layout = _dense_layout(k_rot)
@@ -558,15 +587,19 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         (kv_shape, kv_strides), (k_rot_shape, k_rot_strides) = ctx.kv_layout, ctx.k_rot_layout
         grad_kv, grad_k_rot = _mla_key_backward(
             grad_key, grad_value, cos, sin, ctx.nope, list(kv_shape), list(kv_strides), list(k_rot_shape),
-            list(k_rot_strides),
+            list(k_rot_strides), ctx.layout,
         )  # fmt: skip
-        return grad_kv, grad_k_rot, None, None, None
+        return grad_kv, grad_k_rot, None, None, None, None
 
 
-def liger_interleaved_rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE of one tensor ``x [B, H, S, R]`` (any strides); returns a contiguous ``[B, H, S, R]``."""
+def liger_interleaved_rope_single(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "interleaved"
+) -> torch.Tensor:
+    """RoPE of one tensor ``x [B, H, S, R]`` (any strides) in ``layout`` (interleaved by default); returns a
+    contiguous ``[B, H, S, R]``."""
     _check_constant_angles(cos, sin)
-    return LigerInterleavedRopeFunction.apply(x, cos, sin)
+    _check_layout(layout)
+    return LigerInterleavedRopeFunction.apply(x, cos, sin, layout)
 
 
 def liger_interleaved_rope(
@@ -580,15 +613,18 @@ def liger_interleaved_rope(
     return liger_interleaved_rope_single(q, cos, sin), liger_interleaved_rope_single(k, cos, sin)
 
 
-def liger_mla_query(q_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+def liger_mla_query(
+    q_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, layout: str = "interleaved"
+) -> torch.Tensor:
     """MLA query assembly: ``cat((q_pass, rope(q_rot)), -1)`` in one pass.
 
     q_states: [B, H, S, nope + rope_dim] (any strides, typically ``q_proj(x).view(B, S, H, D).transpose(1, 2)``);
-    its last ``rope_dim`` columns are interleaved rope pairs. Returns the query [B, H, S, nope + rope_dim], stored
-    as [B, S, H, D].
+    its last ``rope_dim`` columns are rope rows in ``layout``'s source arrangement (interleaved pairs by default).
+    Returns the query [B, H, S, nope + rope_dim], stored as [B, S, H, D].
     """
     _check_constant_angles(cos, sin)
-    return LigerMLAQueryFunction.apply(q_states, cos, sin, rope_dim)
+    _check_layout(layout)
+    return LigerMLAQueryFunction.apply(q_states, cos, sin, rope_dim, layout)
 
 
 def liger_mla_key(
@@ -597,15 +633,17 @@ def liger_mla_key(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     nope_dim: int,
+    layout: str = "interleaved",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA key assembly: ``key = cat((kv[..., :nope_dim], rope(k_rot).expand(H)), -1)``, value ``kv[..., nope_dim:]``.
 
     kv: [B, H, S, nope_dim + V] (any strides, typically ``kv_b_proj(latent).view(B, S, H, -1).transpose(1, 2)``),
-    k_rot: [B, 1, S, R] interleaved pairs (the rope key shared by all heads), or already turned when cos/sin are
-    None. Returns (key [B, H, S, nope_dim + R], value [B, H, S, V]), both stored as [B, S, H, D].
+    k_rot: [B, 1, S, R] in ``layout``'s source arrangement (the rope key shared by all heads), or already turned
+    when cos/sin are None. Returns (key [B, H, S, nope_dim + R], value [B, H, S, V]), both stored as [B, S, H, D].
     """
     if (cos is None) != (sin is None):
         raise ValueError("liger-dspine: give both cos and sin, or neither")
     if cos is not None:
         _check_constant_angles(cos, sin)
-    return LigerMLAKeyFunction.apply(kv, k_rot, cos, sin, nope_dim)
+    _check_layout(layout)
+    return LigerMLAKeyFunction.apply(kv, k_rot, cos, sin, nope_dim, layout)

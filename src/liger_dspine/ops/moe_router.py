@@ -1,35 +1,43 @@
-"""DeepSeek-V3 MoE router: grouped top-k expert selection fused into one Triton kernel per direction.
+"""DeepSeek-family MoE router: grouped top-k expert selection fused into one Triton kernel per direction.
 
 The router GEMM stays in torch (cuBLAS); these kernels replace the dozen small kernels of the selection:
-sigmoid, bias for choice, per-group top-2 sums, top ``topk_group`` groups, group mask, top-k experts, gather,
-renormalisation and scaling, and in the backward the gather / division / sigmoid gradients and the scatter.
+score function, bias for choice, per-group scores, top ``topk_group`` groups, group mask, top-k experts, gather,
+renormalisation and scaling, and in the backward the gather / division / score-function gradients and the scatter.
 
 Selection, per token row of ``router_logits [T, E]`` (fp32):
-    scores = sigmoid(logits); choice = scores + bias
-    group score = sum of the two largest ``choice`` of each of ``n_group`` groups of ``E / n_group`` experts
+    scores = score_func(logits): "sigmoid" (DeepSeek-V3) or "softmax" over the row (DeepSeek-V2, Mistral-Small-4)
+    choice = scores + bias (the optional correction bias; without one, choice = scores)
+    group score of each of ``n_group`` groups of ``E / n_group`` experts: "top2" the sum of its two largest
+        ``choice`` (DeepSeek-V3, Mistral-Small-4), "max" its largest (DeepSeek-V2's "group_limited_greedy")
     keep the ``topk_group`` best groups; take the ``top_k`` best ``choice`` among their experts
     weights = scores at those experts [/ (sum + 1e-20) when ``norm_topk_prob``] * routed_scaling_factor
+Greedy selection (DeepSeek-V2's "greedy") is one group: ``n_group = topk_group = 1``.
 
-Any expert count, ``n_group`` dividing it into groups of at least 2, ``1 <= topk_group <= n_group`` and
-``1 <= top_k <= topk_group * group size`` (others are refused; transformers fails on them or picks masked experts).
-Group and slot axes are padded to powers of two inside the kernel; padding slots never alias a real expert.
+Any expert count, ``n_group`` dividing it into groups (of at least 2 for "top2"), ``1 <= topk_group <= n_group``
+and ``1 <= top_k <= topk_group * group size`` (others are refused; transformers fails on them or picks masked
+experts). Group and slot axes are padded to powers of two inside the kernel; padding slots never alias a real
+expert. The softmax backward needs every expert's score: it keeps the logits (the router GEMM's output, alive
+anyway) and one log-sum-exp per row, and recomputes them.
 
 Ties. The ``top_k`` entries of a row are ordered by ``choice`` (biased score), largest first. On an exact tie, of
 group scores or of ``choice``, the lower group or expert index is taken first. transformers' ``topk(sorted=False)``
 leaves both the order and the tie winner unspecified (on a CPU it takes the higher index), so on exact ties the
 chosen experts may differ from native ones; their weights differ only when the tied experts' scores differ
 (equal ``choice`` through different biases). Consumers combine experts by weight, so the order does not matter.
+DeepSeek-V2 and Mistral-Small-4 give the dropped groups' experts a score of 0 (not -inf) before the top-k: a kept
+expert whose softmax score underflows to 0 ties with them there; the kernel never picks a dropped group's expert.
 
-NaN. A NaN ``choice`` ranks above every number, as in ``torch.topk``: a group holding one is kept first and its NaN
-experts are chosen first (lower index first). So a row holding a NaN gives NaN weights, all of them with
-``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices equal native ones as long
-as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's pick among NaNs is
-unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
+NaN. With "softmax" a NaN logit makes its whole row NaN (scores, weights and gradients), as natively; what follows
+is about "sigmoid". A NaN ``choice`` ranks above every number, as in ``torch.topk``: a group holding one is kept
+first and its NaN experts are chosen first (lower index first). So a row holding a NaN gives NaN weights, all of
+them with ``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices equal native
+ones as long as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's pick among NaNs
+is unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
 ``norm_topk_prob``), as natively. Natively it is NaN at every NaN logit too (0 times the sigmoid's NaN derivative);
 the kernel keeps a NaN count per row, not their places, so a row with NaN logits left unchosen gets a NaN gradient
-over the whole row: exactly native's for a NaN token (every logit NaN), and NaN wherever native's is otherwise.
-The hidden states' and router weight's gradients then equal native ones, NaN included, for NaN tokens; a NaN never
-turns into a finite number.
+over the whole row: exactly native's for a NaN token (every logit NaN), and NaN wherever native's is otherwise. The
+hidden states' and router weight's gradients then equal native ones, NaN included, for NaN tokens; a NaN never turns
+into a finite number.
 
 The bias gets no gradient and the indices are not differentiable, as in transformers.
 """
@@ -53,6 +61,7 @@ def _moe_router_forward_kernel(
     indices_ptr,  # [T, K] int64 out
     topk_scores_ptr,  # [T, K] fp32 out: sigmoid scores of the chosen experts, kept for the backward
     nan_counts_ptr,  # [T] int32 out: NaN logits of each row, kept for the backward
+    row_lse_ptr,  # [T] fp32 out: log-sum-exp of each row, kept for the softmax backward
     num_tokens,
     scaling,
     NUM_EXPERTS: tl.constexpr,
@@ -61,6 +70,9 @@ def _moe_router_forward_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    SOFTMAX: tl.constexpr,  # scores: softmax over the row (else sigmoid)
+    GROUP_MAX: tl.constexpr,  # group score: the largest choice (else the sum of the two largest)
+    HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -79,19 +91,35 @@ def _moe_router_forward_kernel(
     offsets = rows[:, None, None] * NUM_EXPERTS + expert[None, :, :]
     load_mask = row_ok[:, None, None] & expert_ok[None, :, :]
     logits = tl.load(logits_ptr + offsets, mask=load_mask, other=0.0)
-    scores = 1.0 / (1.0 + tl.exp(-logits))  # [BLOCK_T, BLOCK_G, BLOCK_S]
+    if SOFTMAX:
+        # as torch's softmax: exp(x - max) / sum; a NaN logit makes the sum, so the whole row, NaN
+        shifted = tl.where(expert_ok[None, :, :], logits, float("-inf"))
+        row_max = tl.max(tl.max(shifted, axis=2), axis=1)
+        exps = tl.exp(shifted - row_max[:, None, None])
+        row_sum = tl.sum(tl.sum(exps, axis=2), axis=1)
+        scores = exps / row_sum[:, None, None]
+        tl.store(row_lse_ptr + rows, row_max + tl.log(row_sum), mask=row_ok)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))  # [BLOCK_T, BLOCK_G, BLOCK_S]
     scores = tl.where(expert_ok[None, :, :], scores, 0.0)
-    bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-    choice = scores + bias[None, :, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
+        choice = scores + bias[None, :, :]
+    else:
+        choice = scores
     # NaN ranks above every number, as in torch.topk; the comparisons below then never meet a NaN.
     choice = tl.where(choice != choice, float("inf"), choice)
     choice = tl.where(expert_ok[None, :, :], choice, float("-inf"))  # padding never counts in a group score
 
-    # Group score: the largest plus the second largest (one occurrence of the largest removed, so ties count twice).
+    # Group score: the largest, plus the second largest for "top2" (one occurrence of the largest removed, so ties
+    # count twice).
     first = tl.max(choice, axis=2)
-    first_slot = tl.min(tl.where(choice == first[:, :, None], slots[None, None, :], BLOCK_S), axis=2)
-    second = tl.max(tl.where(slots[None, None, :] == first_slot[:, :, None], float("-inf"), choice), axis=2)
-    group_score = first + second  # [BLOCK_T, BLOCK_G]
+    if GROUP_MAX:
+        group_score = first  # [BLOCK_T, BLOCK_G]
+    else:
+        first_slot = tl.min(tl.where(choice == first[:, :, None], slots[None, None, :], BLOCK_S), axis=2)
+        second = tl.max(tl.where(slots[None, None, :] == first_slot[:, :, None], float("-inf"), choice), axis=2)
+        group_score = first + second  # [BLOCK_T, BLOCK_G]
     group_score = tl.where(group_score != group_score, float("inf"), group_score)  # +inf + -inf (a -inf bias)
 
     # Each pass takes the best group still free, the lower index on ties; a -inf score is taken like any other.
@@ -139,12 +167,15 @@ def _moe_router_backward_kernel(
     topk_scores_ptr,  # [T, K] fp32
     indices_ptr,  # [T, K] int64
     nan_counts_ptr,  # [T] int32
-    grad_logits_ptr,  # [T, E] fp32 out, written densely (zeros off the chosen experts)
+    logits_ptr,  # [T, E] fp32: read by the softmax backward only
+    row_lse_ptr,  # [T] fp32: read by the softmax backward only
+    grad_logits_ptr,  # [T, E] fp32 out, written densely (sigmoid: zeros off the chosen experts)
     num_tokens,
     scaling,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    SOFTMAX: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -166,7 +197,10 @@ def _moe_router_backward_kernel(
         grad_scores = (grad_weights - projection[:, None]) * (scaling / denominator[:, None])
     else:
         grad_scores = grad_weights * scaling
-    grad_chosen = grad_scores * scores * (1.0 - scores)  # through the sigmoid
+    if SOFTMAX:
+        grad_chosen = grad_scores
+    else:
+        grad_chosen = grad_scores * scores * (1.0 - scores)  # through the sigmoid
 
     experts = tl.arange(0, BLOCK_E)
     grad_logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -175,22 +209,38 @@ def _moe_router_backward_kernel(
         expert_k = tl.sum(tl.where(column, indices, 0), axis=1)
         grad_k = tl.sum(tl.where(column, grad_chosen, 0.0), axis=1)
         grad_logits = tl.where(experts[None, :] == expert_k[:, None], grad_k[:, None], grad_logits)
+    out_offsets = rows[:, None] * NUM_EXPERTS + experts[None, :]
+    out_mask = row_ok[:, None] & (experts[None, :] < NUM_EXPERTS)
+    if SOFTMAX:
+        # through the softmax, every expert: dL/dz_j = s_j * (dL/ds_j - sum_k dL/ds_k * s_k), s_j recomputed
+        logits = tl.load(logits_ptr + out_offsets, mask=out_mask, other=float("-inf"))
+        row_lse = tl.load(row_lse_ptr + rows, mask=row_ok, other=0.0)
+        all_scores = tl.exp(logits - row_lse[:, None])
+        projection = tl.sum(grad_logits * all_scores, axis=1)
+        grad_logits = all_scores * (grad_logits - projection[:, None])
     # A row with NaN logits left unchosen: native's gradient is NaN there (0 times the sigmoid's NaN derivative).
     # Their places are not kept, so the whole row is NaN: native's exactly when every logit is NaN (a NaN token).
     chosen_nan = tl.sum((scores != scores).to(tl.int32), axis=1)
     nan_counts = tl.load(nan_counts_ptr + rows, mask=row_ok, other=0)
     grad_logits = tl.where((nan_counts > chosen_nan)[:, None], float("nan"), grad_logits)
-
-    out_offsets = rows[:, None] * NUM_EXPERTS + experts[None, :]
-    out_mask = row_ok[:, None] & (experts[None, :] < NUM_EXPERTS)
     tl.store(grad_logits_ptr + out_offsets, grad_logits, mask=out_mask)
 
 
-def _check_config(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+SCORE_FUNCS = ("sigmoid", "softmax")
+GROUP_SCORES = ("top2", "max")
+
+
+def _check_config(
+    num_experts: int, top_k: int, n_group: int, topk_group: int, score_func: str, group_score: str
+) -> None:
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"liger-dspine: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"liger-dspine: group_score must be one of {GROUP_SCORES}, got {group_score!r}")
     if n_group < 1 or num_experts % n_group:
         raise ValueError(f"liger-dspine: n_group={n_group} must divide the number of experts ({num_experts})")
     group_size = num_experts // n_group
-    if group_size < 2:
+    if group_size < 2 and group_score == "top2":
         raise ValueError(
             f"liger-dspine: each group needs at least 2 experts (group score = sum of its top 2), got {group_size}"
         )
@@ -209,18 +259,21 @@ def _tokens_per_program(padded_row: int, tile: int) -> int:
 
 def moe_router_forward(
     router_logits: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     top_k: int,
     n_group: int,
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grouped top-k selection. ``router_logits [T, E]`` fp32, ``bias [E]``.
+    score_func: str = "sigmoid",
+    group_score: str = "top2",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped top-k selection. ``router_logits [T, E]`` fp32, ``bias [E]`` or None.
 
     Returns ``topk_weights [T, K]`` fp32, ``topk_indices [T, K]`` int64, ``topk_scores [T, K]`` fp32 (the
-    sigmoid scores of the chosen experts, before renormalisation and scaling) and ``nan_counts [T]`` int32 (the
-    NaN logits of each row); the last two are what the backward needs.
+    scores of the chosen experts, before renormalisation and scaling), ``nan_counts [T]`` int32 (the NaN logits of
+    each row) and ``row_lse [T]`` fp32 (each row's log-sum-exp with "softmax", unset with "sigmoid"); the last
+    three are what the backward needs.
     """
     if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
         raise ValueError(
@@ -228,45 +281,57 @@ def moe_router_forward(
             f"got {tuple(router_logits.shape)} {router_logits.dtype}"
         )
     num_experts = router_logits.shape[1]
-    if bias.shape != (num_experts,):
+    if bias is not None and bias.shape != (num_experts,):
         raise ValueError(
             f"liger-dspine: e_score_correction_bias must have shape ({num_experts},), got {tuple(bias.shape)}"
         )
-    _check_config(num_experts, top_k, n_group, topk_group)
+    _check_config(num_experts, top_k, n_group, topk_group, score_func, group_score)
     check_kernel_device(router_logits, "the MoE router kernel")
-    bias = bias.to(device=router_logits.device, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(device=router_logits.device, dtype=torch.float32)
     return _moe_router_select(
-        router_logits, bias, top_k, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor)
+        router_logits,
+        bias,
+        top_k,
+        n_group,
+        topk_group,
+        bool(norm_topk_prob),
+        float(routed_scaling_factor),
+        score_func,
+        group_score,
     )
 
 
 @torch.library.custom_op("liger_dspine::moe_router_select", mutates_args=())
 def _moe_router_select(
     router_logits: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     top_k: int,
     n_group: int,
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    score_func: str,
+    group_score: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward kernel's launch (inputs checked by :func:`moe_router_forward`)."""
-    weights, indices, topk_scores, nan_counts = _select_fake(router_logits, bias, top_k)
+    weights, indices, topk_scores, nan_counts, row_lse = _select_fake(router_logits, bias, top_k)
     num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
-        return weights, indices, topk_scores, nan_counts
-    router_logits, bias = router_logits.contiguous(), bias.contiguous()
+        return weights, indices, topk_scores, nan_counts, row_lse
+    router_logits = router_logits.contiguous()
     group_size = num_experts // n_group
     block_g = triton.next_power_of_2(n_group)
     block_s = triton.next_power_of_2(group_size)
     block_t = _tokens_per_program(block_g * block_s, _FORWARD_TILE)
     _moe_router_forward_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits,
-        bias,
+        router_logits if bias is None else bias.contiguous(),  # not read without a bias
         weights,
         indices,
         topk_scores,
         nan_counts,
+        row_lse,
         num_tokens,
         routed_scaling_factor,
         NUM_EXPERTS=num_experts,
@@ -275,13 +340,16 @@ def _moe_router_select(
         TOPK_GROUP=topk_group,
         TOP_K=top_k,
         NORMALIZE=norm_topk_prob,
+        SOFTMAX=score_func == "softmax",
+        GROUP_MAX=group_score == "max",
+        HAS_BIAS=bias is not None,
         BLOCK_T=block_t,
         BLOCK_G=block_g,
         BLOCK_S=block_s,
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
     )
-    return weights, indices, topk_scores, nan_counts
+    return weights, indices, topk_scores, nan_counts, row_lse
 
 
 @_moe_router_select.register_fake
@@ -291,7 +359,8 @@ def _select_fake(router_logits, bias, top_k, *_):
     indices = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     topk_scores = router_logits.new_empty(num_tokens, top_k)
     nan_counts = torch.empty(num_tokens, dtype=torch.int32, device=router_logits.device)
-    return weights, indices, topk_scores, nan_counts
+    row_lse = router_logits.new_empty(num_tokens)
+    return weights, indices, topk_scores, nan_counts, row_lse
 
 
 def moe_router_backward(
@@ -302,8 +371,11 @@ def moe_router_backward(
     num_experts: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    router_logits: torch.Tensor | None = None,
+    row_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gradient of the router logits ``[T, E]`` fp32 from the gradient of ``topk_weights [T, K]``."""
+    """Gradient of the router logits ``[T, E]`` fp32 from the gradient of ``topk_weights [T, K]``; the softmax
+    backward when ``router_logits`` and ``row_lse`` are given, the sigmoid's otherwise."""
     check_kernel_device(topk_scores, "the MoE router backward kernel")
     return _moe_router_select_backward(
         grad_weights.to(torch.float32),
@@ -313,6 +385,8 @@ def moe_router_backward(
         num_experts,
         bool(norm_topk_prob),
         float(routed_scaling_factor),
+        router_logits,
+        row_lse,
     )
 
 
@@ -325,12 +399,15 @@ def _moe_router_select_backward(
     num_experts: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    router_logits: torch.Tensor | None,
+    row_lse: torch.Tensor | None,
 ) -> torch.Tensor:
     """The backward kernel's launch: a new [T, E] fp32 gradient, written densely."""
     num_tokens, top_k = topk_scores.shape
     grad_logits = topk_scores.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return grad_logits
+    softmax = router_logits is not None
     block_e = triton.next_power_of_2(num_experts)
     block_t = _tokens_per_program(block_e, _BACKWARD_TILE)
     _moe_router_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
@@ -338,12 +415,15 @@ def _moe_router_select_backward(
         topk_scores,
         topk_indices,
         nan_counts,
+        router_logits.contiguous() if softmax else topk_scores,  # not read by the sigmoid backward
+        row_lse if softmax else topk_scores,
         grad_logits,
         num_tokens,
         routed_scaling_factor,
         NUM_EXPERTS=num_experts,
         TOP_K=top_k,
         NORMALIZE=norm_topk_prob,
+        SOFTMAX=softmax,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
@@ -353,21 +433,38 @@ def _moe_router_select_backward(
 
 
 @_moe_router_select_backward.register_fake
-def _(grad_weights, topk_scores, topk_indices, nan_counts, num_experts, norm_topk_prob, routed_scaling_factor):
+def _(grad_weights, topk_scores, topk_indices, nan_counts, num_experts, *_):
     return topk_scores.new_empty(topk_scores.shape[0], num_experts)
 
 
 class LigerMoeRouterFunction(torch.autograd.Function):
-    """``(router_logits [T, E] fp32, bias [E], ...) -> (topk_weights [T, K] fp32, topk_indices [T, K] int64)``."""
+    """``(router_logits [T, E] fp32, bias [E] or None, ...) -> (topk_weights [T, K] fp32, topk_indices [T, K]
+    int64)``; the trailing ``score_func`` / ``group_score`` default to DeepSeek-V3's "sigmoid" / "top2"."""
 
     kernel_ops = ("liger_dspine::moe_router_select", "liger_dspine::moe_router_select_backward")
 
     @staticmethod
-    def forward(ctx, router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
-        weights, indices, topk_scores, nan_counts = moe_router_forward(
-            router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
-        )
-        ctx.save_for_backward(topk_scores, indices, nan_counts)
+    def forward(
+        ctx,
+        router_logits,
+        bias,
+        top_k,
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        routed_scaling_factor,
+        score_func="sigmoid",
+        group_score="top2",
+    ):
+        weights, indices, topk_scores, nan_counts, row_lse = moe_router_forward(
+            router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor, score_func,
+            group_score,
+        )  # fmt: skip
+        ctx.softmax = score_func == "softmax"
+        if ctx.softmax:
+            ctx.save_for_backward(topk_scores, indices, nan_counts, router_logits, row_lse)
+        else:
+            ctx.save_for_backward(topk_scores, indices, nan_counts)
         ctx.num_experts = router_logits.shape[1]
         ctx.norm_topk_prob = norm_topk_prob
         ctx.routed_scaling_factor = routed_scaling_factor
@@ -376,7 +473,7 @@ class LigerMoeRouterFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights, _grad_indices):
-        topk_scores, indices, nan_counts = ctx.saved_tensors
+        topk_scores, indices, nan_counts, *softmax_state = ctx.saved_tensors
         grad_logits = None
         if ctx.needs_input_grad[0] and grad_weights is not None:
             grad_logits = moe_router_backward(
@@ -387,24 +484,29 @@ class LigerMoeRouterFunction(torch.autograd.Function):
                 ctx.num_experts,
                 ctx.norm_topk_prob,
                 ctx.routed_scaling_factor,
+                *softmax_state,
             )
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 def liger_moe_router_topk(
     router_logits: torch.Tensor,
-    e_score_correction_bias: torch.Tensor,
+    e_score_correction_bias: torch.Tensor | None,
     top_k: int,
     n_group: int,
     topk_group: int,
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
+    *,
+    score_func: str = "sigmoid",
+    group_score: str = "top2",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 grouped top-k routing of ``router_logits [T, E]``.
+    """Grouped top-k routing of ``router_logits [T, E]`` (see the module docstring); DeepSeek-V3's by default.
 
-    Returns ``(topk_weights [T, K], topk_indices [T, K] int64)``, each row ordered by biased score, largest first.
+    Returns ``(topk_weights [T, K], topk_indices [T, K] int64)``, each row ordered by choice, largest first.
     Differentiable with respect to ``router_logits`` through ``topk_weights``. The kernel works in fp32; logits of
-    another dtype (the router GEMM under autocast) are upcast, and the weights come back in that dtype.
+    another dtype (the router GEMM under autocast, or a router computing in the model's dtype) are upcast, and the
+    weights come back in that dtype.
     """
     dtype = router_logits.dtype
     weights, indices = LigerMoeRouterFunction.apply(
@@ -415,6 +517,8 @@ def liger_moe_router_topk(
         topk_group,
         norm_topk_prob,
         routed_scaling_factor,
+        score_func,
+        group_score,
     )
     return weights.to(dtype), indices
 

@@ -91,6 +91,25 @@ def case_moe_router():
     return out, [logits]
 
 
+def case_moe_router_softmax():
+    logits = randn(5, 6, grad=True)  # softmax, group-max selection, no correction bias (DeepSeek-V2)
+    out = moe_router.LigerMoeRouterFunction.apply(logits, None, 2, 3, 2, False, 1.5, "softmax", "max")
+    return out, [logits]
+
+
+def case_mla_key_pairs():
+    kv, k_rot = randn(1, 3, 2, 5, grad=True), randn(1, 3, 4, grad=True)  # DeepSeek-V2's in-place pair RoPE
+    cos, sin = rope_angles(3)
+    out = interleaved_rope.LigerMLAKeyFunction.apply(kv.transpose(1, 2), k_rot[:, None], cos, sin, 2, "pairs")
+    return out, [kv, k_rot]
+
+
+def case_mla_query_halves():
+    q = randn(1, 3, 2, 6, grad=True)  # half-split RoPE (MiniCPM3)
+    cos, sin = rope_angles(3)
+    return interleaved_rope.LigerMLAQueryFunction.apply(q.transpose(1, 2), cos, sin, 4, "halves"), [q]
+
+
 def case_router_logits():
     hidden, weight = randn(5, 6, grad=True), randn(8, 6, grad=True)
     return moe_router.LigerRouterLogitsFunction.apply(hidden, weight), [hidden, weight]
@@ -191,6 +210,9 @@ CASES = {
     case_mla_key: ("mla_key", "mla_key_backward"),
     case_mla_key_cached: ("mla_key", "mla_key_backward"),
     case_moe_router: ("moe_router_select", "moe_router_select_backward"),
+    case_moe_router_softmax: ("moe_router_select", "moe_router_select_backward"),
+    case_mla_key_pairs: ("mla_key", "mla_key_backward"),
+    case_mla_query_halves: ("rope_rotate", "rope_unrotate_"),
     case_router_logits: (),
     case_grouped_experts: ("grouped_experts", "grouped_experts_backward_"),
     case_silu_mul_rows: ("silu_mul_rows", "silu_mul_rows_backward", "silu_mul_rows_backward_"),

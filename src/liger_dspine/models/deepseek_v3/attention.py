@@ -17,12 +17,17 @@ With ``config.rope_interleave`` it replaces, per layer:
 
 Without ``rope_interleave`` (or with cos/sin that require a gradient) it runs the native forward.
 
+Other models of the family differ in three places, each a method a model's class overrides:
+``_liger_rope_layout`` (the RoPE layout of :mod:`liger_dspine.ops.interleaved_rope`, or None for the native forward),
+``_liger_angles`` (cos / sin from the position embeddings) and ``_liger_query_scale`` (a factor of the query).
+
 transformers versions: before 5.17 the cache holds the expanded key and value (and flash attention pads the value
 to the key width); from 5.17 it holds the compressed latents and ``expand_kv`` runs after the cache. Both are
 followed, chosen by whether the native class has ``expand_kv``. The cache argument is ``past_key_values`` in 5.17
 and ``cache`` in 5.24 (where ``past_key_values`` is deprecated); both names are accepted.
 """
 
+import functools
 import inspect
 import sys
 
@@ -81,14 +86,16 @@ class LigerMLAAttention:
         """
         if cache is None:
             cache = past_key_values
-        cos, sin = position_embeddings
-        if not self.config.rope_interleave or cos.requires_grad or sin.requires_grad:
-            native = super().forward
+        cos, sin = self._liger_angles(position_embeddings)
+        layout = self._liger_rope_layout()
+        if layout is None or cos.requires_grad or sin.requires_grad:
+            # by keyword: the native forwards of the family order their arguments differently
+            native = functools.partial(
+                super().forward, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
+            )
             if self.recompute_core and cache is None and torch.is_grad_enabled():
-                run = lambda h: native(h, position_embeddings, attention_mask, **kwargs)  # noqa: E731
-                return checkpoint(run, hidden_states, use_reentrant=False)
-            cache_kwarg = {self.native_cache_arg: cache}
-            return native(hidden_states, position_embeddings, attention_mask, **cache_kwarg, **kwargs)
+                return checkpoint(lambda h: native(hidden_states=h), hidden_states, use_reentrant=False)
+            return native(hidden_states=hidden_states, **{self.native_cache_arg: cache})
 
         batch_size, seq_length = hidden_states.shape[:-1]
         # The latents: the query's after q_a_layernorm (or the hidden states without q_lora_rank), the key/value's
@@ -102,13 +109,14 @@ class LigerMLAAttention:
         key_angles = (cos, sin)
         if self.latent_cache and cache is not None:
             # The cache takes the turned rope key and returns every position's latents (outside any recompute).
-            kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs)
+            kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs, layout)
             key_angles = (None, None)
 
         def core(q_latent, kv_nope, k_rot, q_weight=None, kv_weight=None):
             return self._liger_attention_core(
-                q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs, q_weight, kv_weight
-            )
+                q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs, q_weight, kv_weight,
+                layout,
+            )  # fmt: skip
 
         # transformers' models make a cache in training too (use_cache defaults to True): with latents in it the
         # core is still recomputable; an expanded-key cache (transformers < 5.17) is updated inside the core.
@@ -125,8 +133,32 @@ class LigerMLAAttention:
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
+    def _liger_rope_layout(self) -> str | None:
+        """The RoPE layout of the query and key rows, or None to run the native forward."""
+        return "interleaved" if self.config.rope_interleave else None
+
+    def _liger_angles(self, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B or 1, S, >= R / 2] from what the model passes as ``position_embeddings``."""
+        return position_embeddings
+
+    def _liger_query_scale(self, kwargs) -> torch.Tensor | None:
+        """A factor the query is multiplied by after its RoPE (broadcast over [B, H, S, D]), or None."""
+        return None
+
     def _liger_attention_core(
-        self, q_latent, kv_nope, k_rot, cos, sin, key_angles, attention_mask, cache, kwargs, q_weight, kv_weight
+        self,
+        q_latent,
+        kv_nope,
+        k_rot,
+        cos,
+        sin,
+        key_angles,
+        attention_mask,
+        cache,
+        kwargs,
+        q_weight,
+        kv_weight,
+        layout="interleaved",
     ):
         """From the latents to the attention output [B, S, H, v_head_dim] and the attention weights (or None).
 
@@ -143,14 +175,17 @@ class LigerMLAAttention:
 
             # key_angles (None, None): k_rot came out of the cache already turned
             kv_heads = self._liger_kv_heads(kv_nope.view(batch_size, 1, -1, self.kv_lora_rank), kv_weight)
-            key_states, value_states = liger_mla_key(kv_heads, k_rot, *key_angles, self.qk_nope_head_dim)
+            key_states, value_states = liger_mla_key(kv_heads, k_rot, *key_angles, self.qk_nope_head_dim, layout)
         else:
-            key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache)
+            key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache, layout)
 
         q_states = self._liger_q_up_proj()(q_latent) if q_weight is None else F.linear(q_latent, q_weight)
         # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
         q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
-        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim)
+        query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim, layout)
+        query_scale = self._liger_query_scale(kwargs)
+        if query_scale is not None:
+            query_states = query_states * query_scale.to(query_states.dtype)
 
         pad_value = not self.latent_cache and self.qk_head_dim != self.v_head_dim and self._liger_flash_pads_value()
         if pad_value:
@@ -214,23 +249,24 @@ class LigerMLAAttention:
         batch_size, length = kv.shape[0], kv.shape[-2]
         return kv.view(batch_size, length, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
 
-    def _liger_cache_latents(self, kv_nope, k_rot, cos, sin, cache, kwargs):
+    def _liger_cache_latents(self, kv_nope, k_rot, cos, sin, cache, kwargs, layout="interleaved"):
         """transformers >= 5.17: the cache stores (kv_nope [B, 1, L, kv_lora_rank], turned k_rot [B, 1, L, R]);
         returns both for every cached position."""
         from liger_dspine.ops.interleaved_rope import liger_interleaved_rope_single
 
         batch_size, _, seq_length, _ = k_rot.shape
         kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
-        k_rot = liger_interleaved_rope_single(k_rot, cos, sin)
+        k_rot = liger_interleaved_rope_single(k_rot, cos, sin, layout)
         if self.cache_update_takes_kwargs:
             return cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
         return cache.update(kv_nope, k_rot, self.layer_idx)
 
-    def _liger_expanded_key_value(self, kv_nope, k_rot, cos, sin, cache):
+    def _liger_expanded_key_value(self, kv_nope, k_rot, cos, sin, cache, layout="interleaved"):
         """transformers < 5.17: the cache stores the expanded key [B, H, L, nope + R] and value [B, H, L, v]."""
         from liger_dspine.ops.interleaved_rope import liger_mla_key
 
-        key_states, value_states = liger_mla_key(self._liger_kv_heads(kv_nope), k_rot, cos, sin, self.qk_nope_head_dim)
+        kv_heads = self._liger_kv_heads(kv_nope)
+        key_states, value_states = liger_mla_key(kv_heads, k_rot, cos, sin, self.qk_nope_head_dim, layout)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         return key_states, value_states
