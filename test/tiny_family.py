@@ -45,6 +45,18 @@ COMMON = dict(
 )
 
 
+V2_MLA = {key: value for key, value in MLA.items() if key != "rope_interleave"}
+SOFTMAX_MOE = dict(
+    moe_intermediate_size=16,
+    n_routed_experts=6,
+    num_experts_per_tok=2,
+    n_group=3,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=1.5,
+)
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     model_type: str
@@ -110,6 +122,13 @@ def _case(model_type, prefix, values, mla=True, moe=True) -> FamilyCase:
     return FamilyCase(model_type, prefix, values, tuple(swapped), mla, moe)
 
 
+def _swapped(prefix, moe_block=None) -> tuple[str, ...]:
+    """What a spec of ``models/deepseek_v2/spec.py`` replaces; with a MoE block, its routing method before 5.17."""
+    moe = (f"{prefix}Experts",) if moe_block else ()
+    router = (f"{prefix}TopkRouter", f"{moe_block}.route_tokens_to_experts") if moe_block else ()
+    return (f"{prefix}RMSNorm", f"{prefix}MLP", *moe, f"{prefix}Attention", *router, f"{prefix}ForCausalLM.forward")
+
+
 CASES = {
     case.model_type: case
     for case in (
@@ -126,5 +145,13 @@ CASES = {
             mla=False,
         ),
         _case("dots1", "Dots1", {**COMMON, **MOE, "num_key_value_heads": 2, "first_k_dense_replace": 1}, mla=False),
+        # softmax router, greedy (the group-max selection is swept in ops/test_moe_router_softmax.py, against the
+        # router class of transformers >= 5.17); RoPE turning pairs in place
+        FamilyCase(
+            "deepseek_v2",
+            "DeepseekV2",
+            {**COMMON, **V2_MLA, **SOFTMAX_MOE, "topk_method": "greedy", "first_k_dense_replace": 1},
+            _swapped("DeepseekV2", moe_block="DeepseekV2Moe"),
+        ),
     )
 }

@@ -14,6 +14,8 @@ _enable_from_environment()
 from liger_dspine.auto_model import AutoLigerDSpineForCausalLM  # noqa: E402
 from liger_dspine.models.axk1.apply import apply_liger_kernel_to_axk1  # noqa: E402
 from liger_dspine.models.axk1.apply import revert_liger_kernel_to_axk1  # noqa: E402
+from liger_dspine.models.deepseek_v2.apply import apply_liger_kernel_to_deepseek_v2  # noqa: E402
+from liger_dspine.models.deepseek_v2.apply import revert_liger_kernel_to_deepseek_v2  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import revert_liger_kernel_to_deepseek_v3  # noqa: E402
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1  # noqa: E402
@@ -38,6 +40,7 @@ __all__ = [
     "PatchReport",
     "apply_liger_kernel",
     "apply_liger_kernel_to_axk1",
+    "apply_liger_kernel_to_deepseek_v2",
     "apply_liger_kernel_to_deepseek_v3",
     "apply_liger_kernel_to_dots1",
     "apply_liger_kernel_to_dspine",
@@ -48,6 +51,7 @@ __all__ = [
     "enable_cpu_interpreter",
     "register_with_liger",
     "revert_liger_kernel_to_axk1",
+    "revert_liger_kernel_to_deepseek_v2",
     "revert_liger_kernel_to_deepseek_v3",
     "revert_liger_kernel_to_dots1",
     "revert_liger_kernel_to_dspine",

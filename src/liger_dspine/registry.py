@@ -3,6 +3,7 @@
 import logging
 
 from liger_dspine.models.axk1.apply import apply_liger_kernel_to_axk1
+from liger_dspine.models.deepseek_v2.apply import apply_liger_kernel_to_deepseek_v2
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
@@ -24,6 +25,8 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     # its config builds DeepseekV3ForCausalLM (transformers has no modeling file for it)
     "sarvam_mla": apply_liger_kernel_to_deepseek_v3,
     "youtu": apply_liger_kernel_to_youtu,
+    # MLA models with a softmax router or none (models/deepseek_v2/spec.py)
+    "deepseek_v2": apply_liger_kernel_to_deepseek_v2,
 }
 
 # Model types built partly from DeepSeek-V3's classes that no patch here serves: a lookup names them as such.
@@ -31,7 +34,6 @@ UNSUPPORTED_FAMILY_MEMBERS = (
     "axk2",
     "bailing_hybrid",
     "beam",
-    "deepseek_v2",
     "deepseek_v32",
     "deepseek_v4",
     "dots3_note",

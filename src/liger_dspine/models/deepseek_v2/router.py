@@ -1,0 +1,83 @@
+"""Softmax + grouped top-k MoE routing in one Triton kernel: DeepSeek-V2's router and the routers built from it
+(Mistral-Small-4). The selection is :func:`liger_dspine.ops.moe_router.liger_moe_router_topk` with
+``score_func="softmax"`` and no correction bias.
+
+- DeepSeek-V2 (``topk_method``): "greedy" takes the top-k of all experts (one group), "group_limited_greedy" keeps
+  the ``topk_group`` groups of the largest score ("max" group score) first. No renormalisation (the router has no
+  ``norm_topk_prob``). Logits in fp32.
+- Mistral-Small-4 (no ``topk_method``): groups scored by the sum of their two largest scores, ``norm_topk_prob``.
+  Its logits are in the model's dtype, as natively; the softmax and the selection then run in fp32 (natively in the
+  model's dtype: in bf16 the weights may differ by bf16 rounding), and the weights come back in the model's dtype.
+
+Two layouts of transformers: a router module whose forward returns ``(router_logits, topk_weights, topk_indices)``
+(:class:`LigerSoftmaxTopkRouter`), or, for DeepSeek-V2 before 5.17, an ``nn.Linear`` gate and the selection in
+``DeepseekV2Moe.route_tokens_to_experts(router_logits)`` (:func:`liger_deepseek_v2_route_tokens_to_experts`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from liger_dspine.ops.moe_router import liger_moe_router_topk
+from liger_dspine.ops.moe_router import liger_router_logits
+
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def deepseek_v2_selection(topk_method: str, n_group, topk_group) -> dict:
+    """The kernel's grouping for DeepSeek-V2's ``topk_method``."""
+    if topk_method == "greedy":
+        return dict(n_group=1, topk_group=1, group_score="max")
+    if topk_method == "group_limited_greedy":
+        return dict(n_group=n_group, topk_group=topk_group, group_score="max")
+    raise ValueError(
+        f"liger-dspine: DeepSeek-V2's router selects with topk_method in {TOPK_METHODS}; got {topk_method!r}"
+    )
+
+
+class LigerSoftmaxTopkRouter:
+    """``forward(hidden [..., H]) -> (router_logits [T, E], topk_weights [T, K], topk_indices [T, K])``, mixed in
+    before a native softmax router class. Same parameters as the native router (``weight [E, H]``).
+
+    ``logits_in_fp32``: the native router computes its logits from fp32 copies (DeepSeek-V2) rather than in the
+    model's dtype (Mistral-Small-4).
+    """
+
+    logits_in_fp32 = True
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        if self.logits_in_fp32:
+            router_logits = liger_router_logits(hidden_states, self.weight)
+        else:
+            router_logits = F.linear(hidden_states, self.weight)
+        topk_method = getattr(self, "topk_method", None)
+        if topk_method is None:
+            selection = dict(n_group=self.num_group, topk_group=self.topk_group, group_score="top2")
+        else:
+            selection = deepseek_v2_selection(topk_method, self.num_group, self.topk_group)
+        topk_weights, topk_indices = liger_moe_router_topk(
+            router_logits,
+            None,
+            top_k=self.top_k,
+            norm_topk_prob=getattr(self, "norm_topk_prob", False),
+            routed_scaling_factor=self.routed_scaling_factor,
+            score_func="softmax",
+            **selection,
+        )
+        return router_logits, topk_weights, topk_indices
+
+
+def liger_deepseek_v2_route_tokens_to_experts(self, router_logits: torch.Tensor):
+    """Replacement for ``DeepseekV2Moe.route_tokens_to_experts`` of transformers < 5.17: ``router_logits [B, S, E]``
+    fp32 -> ``(topk_indices [T, K] int64, topk_weights [T, K] fp32)``, in that method's order."""
+    router_logits = router_logits.reshape(-1, router_logits.shape[-1])
+    topk_weights, topk_indices = liger_moe_router_topk(
+        router_logits,
+        None,
+        top_k=self.top_k,
+        norm_topk_prob=False,
+        routed_scaling_factor=self.routed_scaling_factor,
+        score_func="softmax",
+        **deepseek_v2_selection(self.topk_method, self.num_group, self.topk_group),
+    )
+    return topk_indices, topk_weights
