@@ -66,7 +66,8 @@ def assert_liger_dspine_modules(model) -> None:
     assert not [t for t in types if t.__module__.startswith("liger_kernel")]
 
 
-OURS = ["axk1", "deepseek_v3", "dots1", "dspine", "glm4_moe", "glm4_moe_lite", "sarvam_mla", "youtu"]
+OURS = ["axk1", "deepseek_v2", "deepseek_v3", "dots1", "dspine", "glm4_moe", "glm4_moe_lite", "sarvam_mla", "youtu"]
+LIGER_KERNEL_HAS = ["deepseek_v2", "deepseek_v3"]  # the entries liger-kernel's own table has
 
 
 def test_table_serves_deepseek_v3_its_family_and_dspine():
@@ -96,7 +97,7 @@ def test_sarvam_mla_builds_a_deepseek_v3_model_that_the_table_patches():
     assert_liger_dspine_modules(model)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v2", "mistral4", "glm4v_moe", "kimi_linear", "deepseek_v4"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm4v_moe", "kimi_linear", "deepseek_v4"])
 def test_unsupported_family_members_are_named_as_such(model_type):
     with pytest.raises(
         ValueError, match=f"liger-dspine: '{model_type}' is built partly from DeepSeek-V3's classes, but"
@@ -122,9 +123,9 @@ def test_register_with_liger_replaces_liger_entry(liger_table):
 def test_register_without_override_keeps_liger_entry(liger_table):
     result = register_with_liger(override=False)
 
-    # liger-kernel has no dspine or family entry: they are added; its deepseek_v3 entry is kept
-    assert sorted(result["registered"]) == sorted(set(OURS) - {"deepseek_v3"})
-    assert result["left_alone"] == ["deepseek_v3"]
+    # liger-kernel has no dspine entry and few family entries: they are added; its own entries are kept
+    assert sorted(result["registered"]) == sorted(set(OURS) - set(LIGER_KERNEL_HAS))
+    assert sorted(result["left_alone"]) == LIGER_KERNEL_HAS
     assert liger_table["deepseek_v3"] is LIGER_DEEPSEEK_V3_FN
 
 
@@ -132,7 +133,8 @@ def test_register_without_override_adds_a_missing_entry(liger_table):
     del liger_table["deepseek_v3"]
 
     result = register_with_liger(override=False)
-    assert sorted(result["registered"]) == OURS and result["left_alone"] == []
+    assert sorted(result["registered"]) == sorted(set(OURS) - {"deepseek_v2"})
+    assert result["left_alone"] == ["deepseek_v2"]
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
 
 
