@@ -66,6 +66,10 @@ class FamilyCase:
     mla: bool = True
     moe: bool = True
     extra: dict = field(default_factory=dict)
+    forwards: str = "liger_dspine.modules.causal_lm_forward"  # the module of the loss forwards the spec binds
+
+    def lce_forward(self):
+        return getattr(importlib.import_module(self.forwards), "lce_forward")
 
     @property
     def modeling_name(self) -> str:
@@ -152,6 +156,15 @@ CASES = {
             "DeepseekV2",
             {**COMMON, **V2_MLA, **SOFTMAX_MOE, "topk_method": "greedy", "first_k_dense_replace": 1},
             _swapped("DeepseekV2", moe_block="DeepseekV2Moe"),
+        ),
+        # dense MLA with half-split RoPE; scaled embeddings, residuals and head input (hidden / 4 before lm_head)
+        FamilyCase(
+            "minicpm3",
+            "MiniCPM3",
+            {**COMMON, **V2_MLA, "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 8},
+            _swapped("MiniCPM3"),
+            moe=False,
+            forwards="liger_dspine.models.minicpm3.forward",
         ),
     )
 }

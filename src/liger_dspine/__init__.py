@@ -26,6 +26,8 @@ from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe  #
 from liger_dspine.models.glm4_moe.apply import revert_liger_kernel_to_glm4_moe  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import revert_liger_kernel_to_glm4_moe_lite  # noqa: E402
+from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3  # noqa: E402
+from liger_dspine.models.minicpm3.apply import revert_liger_kernel_to_minicpm3  # noqa: E402
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu  # noqa: E402
 from liger_dspine.models.youtu.apply import revert_liger_kernel_to_youtu  # noqa: E402
 from liger_dspine.patching import PatchReport  # noqa: E402
@@ -47,6 +49,7 @@ __all__ = [
     "apply_liger_kernel_to_glm4_moe",
     "apply_liger_kernel_to_glm4_moe_lite",
     "apply_liger_kernel_to_instance",
+    "apply_liger_kernel_to_minicpm3",
     "apply_liger_kernel_to_youtu",
     "enable_cpu_interpreter",
     "register_with_liger",
@@ -57,5 +60,6 @@ __all__ = [
     "revert_liger_kernel_to_dspine",
     "revert_liger_kernel_to_glm4_moe",
     "revert_liger_kernel_to_glm4_moe_lite",
+    "revert_liger_kernel_to_minicpm3",
     "revert_liger_kernel_to_youtu",
 ]

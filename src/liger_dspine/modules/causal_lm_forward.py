@@ -47,8 +47,12 @@ class LigerCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     token_accuracy: torch.Tensor | None = None
 
 
-def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str):
-    """A ``ForCausalLM.forward`` replacement whose loss path is fixed by ``fused`` / ``vocab_chunked``."""
+def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str, head_input=None):
+    """A ``ForCausalLM.forward`` replacement whose loss path is fixed by ``fused`` / ``vocab_chunked``.
+
+    ``head_input(model, last_hidden_state)``: what the model feeds its ``lm_head`` (MiniCPM3 scales it down), before
+    the positions are selected, as the native forward does; None: the last hidden state itself.
+    """
 
     def forward(
         self,
@@ -78,6 +82,7 @@ def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str):
             skip_logits if fused else False,
             fused=fused,
             vocab_chunked=vocab_chunked,
+            head_input=head_input,
             **kwargs,
         )
 
@@ -120,6 +125,7 @@ def _causal_lm_forward(
     skip_logits,
     fused,
     vocab_chunked=False,
+    head_input=None,
     **kwargs,
 ):
     return_dict = kwargs.pop("return_dict", None)
@@ -149,7 +155,10 @@ def _causal_lm_forward(
         use_cache=use_cache,
         **kwargs,
     )
-    hidden_states = _keep_positions(outputs.last_hidden_state, logits_to_keep)
+    hidden_states = outputs.last_hidden_state
+    if head_input is not None:
+        hidden_states = head_input(self, hidden_states)
+    hidden_states = _keep_positions(hidden_states, logits_to_keep)
 
     loss = logits = token_accuracy = None
     if has_labels:

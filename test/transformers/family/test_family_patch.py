@@ -13,7 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from liger_dspine import patching  # noqa: E402
 from liger_dspine.models.deepseek_v3.family import swapped_class_names  # noqa: E402
-from liger_dspine.modules.causal_lm_forward import lce_forward  # noqa: E402
 from liger_dspine.modules.grouped_experts import LigerGroupedExperts  # noqa: E402
 from liger_dspine.modules.rms_norm import LigerRMSNorm  # noqa: E402
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP  # noqa: E402
@@ -116,7 +115,7 @@ def test_instance_patch_converts_every_listed_module(case):
     patched_types = {name: type(m) for name, m in model.named_modules()}
     assert {name: patched_types[name] for name in expected} == expected
     assert all(patched_types[n] is t for n, t in native_types.items() if n not in expected and n in patched_types)
-    assert model.forward.__func__ is lce_forward
+    assert model.forward.__func__ is case.lce_forward()
     assert list(model.state_dict()) == keys
     assert changed(before, modeling) == []  # an instance patch leaves transformers' classes alone
     assert {r.target for r in report} == expected_targets(case, modeling, "{} modules", "{} of the instance")

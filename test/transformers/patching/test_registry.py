@@ -66,7 +66,18 @@ def assert_liger_dspine_modules(model) -> None:
     assert not [t for t in types if t.__module__.startswith("liger_kernel")]
 
 
-OURS = ["axk1", "deepseek_v2", "deepseek_v3", "dots1", "dspine", "glm4_moe", "glm4_moe_lite", "sarvam_mla", "youtu"]
+OURS = [
+    "axk1",
+    "deepseek_v2",
+    "deepseek_v3",
+    "dots1",
+    "dspine",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "minicpm3",
+    "sarvam_mla",
+    "youtu",
+]
 LIGER_KERNEL_HAS = ["deepseek_v2", "deepseek_v3"]  # the entries liger-kernel's own table has
 
 

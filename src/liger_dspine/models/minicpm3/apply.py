@@ -1,0 +1,42 @@
+from liger_dspine import patching
+from liger_dspine.models.deepseek_v3.apply import apply_spec
+from liger_dspine.models.deepseek_v3.apply import v3_options
+from liger_dspine.models.minicpm3.spec import MINICPM3_SPEC
+
+
+def apply_liger_kernel_to_minicpm3(
+    rope: bool = True,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+    *,
+    vocab_chunked_lce: bool = False,
+    recompute_attention: bool = False,
+) -> patching.PatchReport:
+    """Swap the modules of MiniCPM3 (``minicpm3``) for Liger kernels; liger-kernel's usual parameter order.
+
+    ``MiniCPM3RMSNorm`` -> ``LigerRMSNorm``; ``MiniCPM3MLP`` -> ``LigerSwiGLUMLP``; ``MiniCPM3Attention`` (MLA,
+    half-split RoPE) -> ``LigerMiniCPM3Attention``; ``MiniCPM3ForCausalLM.forward`` -> MiniCPM3's ``lce_forward`` (or
+    ``ce_forward``), which divides the hidden states by ``config.logits_scaling`` before ``lm_head`` as the native
+    forward does. The options mean what they mean for ``apply_liger_kernel_to_deepseek_v3``.
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    options = v3_options(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        vocab_chunked_lce=vocab_chunked_lce,
+        recompute_attention=recompute_attention,
+    )
+    return apply_spec(MINICPM3_SPEC, options, model)
+
+
+def revert_liger_kernel_to_minicpm3(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_minicpm3``: the classes without a model, else that instance."""
+    return patching.revert(MINICPM3_SPEC, model)
