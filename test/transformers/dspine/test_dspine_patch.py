@@ -106,9 +106,7 @@ def module_kinds(model) -> dict:
     }
 
 
-def assert_kinds(
-    model, norm: type, mlp: type, injection: type | None = None, attention: type | None = None
-) -> None:
+def assert_kinds(model, norm: type, mlp: type, injection: type | None = None, attention: type | None = None) -> None:
     expected = {name: norm for name in NORM_NAMES} | {f"layers.{i}.mlp": mlp for i in range(N_LAYERS)}
     assert module_kinds(model) == expected
     if injection is not None:

@@ -69,7 +69,7 @@ def test_instance_latest_call_and_revert():
     assert not patched.fused_objective and type(patched.draft_model.norm) is Qwen3RMSNorm
     assert type(patched.draft_model.layers[0].mlp) is not type(native.draft_model.layers[0].mlp)  # swiglu stays
     restored = revert_liger_kernel_to_dspine(model=patched)
-    assert restored == ["LigerSwiGLUMLP modules", "LigerAdjacentInjection modules"]
+    assert restored == ["LigerSwiGLUMLP modules", "LigerDSpineAttention modules", "LigerAdjacentInjection modules"]
     assert {n: type(m) for n, m in patched.named_modules()} == {n: type(m) for n, m in native.named_modules()}
     assert all(torch.equal(patched.state_dict()[k], v) for k, v in state.items())
     assert revert_liger_kernel_to_dspine(model=patched) == []
