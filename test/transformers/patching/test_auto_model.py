@@ -117,7 +117,7 @@ def test_unsupported_model_type_is_refused_before_patching():
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
     )
 
-    with pytest.raises(ValueError, match=r"'llama'.*supported: deepseek_v3"):
+    with pytest.raises(ValueError, match=r"no patch for model type 'llama'; supported: .*deepseek_v3"):
         AutoLigerDSpineForCausalLM.from_config(config)
 
     assert changed_modeling_globals(before) == []
