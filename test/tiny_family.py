@@ -57,6 +57,20 @@ SOFTMAX_MOE = dict(
 )
 
 
+MISTRAL4_ROPE = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=2.0,
+    original_max_position_embeddings=4,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale_all_dim=1.0,
+    mscale=1.0,
+    llama_4_scaling_beta=0.1,
+    partial_rotary_factor=0.5,
+)
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     model_type: str
@@ -126,10 +140,13 @@ def _case(model_type, prefix, values, mla=True, moe=True) -> FamilyCase:
     return FamilyCase(model_type, prefix, values, tuple(swapped), mla, moe)
 
 
-def _swapped(prefix, moe_block=None) -> tuple[str, ...]:
-    """What a spec of ``models/deepseek_v2/spec.py`` replaces; with a MoE block, its routing method before 5.17."""
+def _swapped(prefix, moe_block=None, routes_in_block=False) -> tuple[str, ...]:
+    """What a spec of ``models/deepseek_v2/spec.py`` replaces; with ``routes_in_block``, the MoE block's routing
+    method too (DeepSeek-V2 before transformers 5.17)."""
     moe = (f"{prefix}Experts",) if moe_block else ()
-    router = (f"{prefix}TopkRouter", f"{moe_block}.route_tokens_to_experts") if moe_block else ()
+    router = (f"{prefix}TopkRouter",) if moe_block else ()
+    if routes_in_block:
+        router += (f"{moe_block}.route_tokens_to_experts",)
     return (f"{prefix}RMSNorm", f"{prefix}MLP", *moe, f"{prefix}Attention", *router, f"{prefix}ForCausalLM.forward")
 
 
@@ -155,7 +172,7 @@ CASES = {
             "deepseek_v2",
             "DeepseekV2",
             {**COMMON, **V2_MLA, **SOFTMAX_MOE, "topk_method": "greedy", "first_k_dense_replace": 1},
-            _swapped("DeepseekV2", moe_block="DeepseekV2Moe"),
+            _swapped("DeepseekV2", moe_block="DeepseekV2Moe", routes_in_block=True),
         ),
         # dense MLA with half-split RoPE; scaled embeddings, residuals and head input (hidden / 4 before lm_head)
         FamilyCase(
@@ -165,6 +182,14 @@ CASES = {
             _swapped("MiniCPM3"),
             moe=False,
             forwards="liger_dspine.models.minicpm3.forward",
+        ),
+        # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
+        # scale, which past position 4 differs from 1 here
+        FamilyCase(
+            "mistral4",
+            "Mistral4",
+            {**COMMON, **MLA, **SOFTMAX_MOE, "first_k_dense_replace": 1, "rope_parameters": MISTRAL4_ROPE},
+            _swapped("Mistral4", moe_block="Mistral4MoE"),
         ),
     )
 }

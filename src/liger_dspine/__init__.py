@@ -28,6 +28,8 @@ from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_m
 from liger_dspine.models.glm4_moe_lite.apply import revert_liger_kernel_to_glm4_moe_lite  # noqa: E402
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3  # noqa: E402
 from liger_dspine.models.minicpm3.apply import revert_liger_kernel_to_minicpm3  # noqa: E402
+from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4  # noqa: E402
+from liger_dspine.models.mistral4.apply import revert_liger_kernel_to_mistral4  # noqa: E402
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu  # noqa: E402
 from liger_dspine.models.youtu.apply import revert_liger_kernel_to_youtu  # noqa: E402
 from liger_dspine.patching import PatchReport  # noqa: E402
@@ -50,6 +52,7 @@ __all__ = [
     "apply_liger_kernel_to_glm4_moe_lite",
     "apply_liger_kernel_to_instance",
     "apply_liger_kernel_to_minicpm3",
+    "apply_liger_kernel_to_mistral4",
     "apply_liger_kernel_to_youtu",
     "enable_cpu_interpreter",
     "register_with_liger",
@@ -61,5 +64,6 @@ __all__ = [
     "revert_liger_kernel_to_glm4_moe",
     "revert_liger_kernel_to_glm4_moe_lite",
     "revert_liger_kernel_to_minicpm3",
+    "revert_liger_kernel_to_mistral4",
     "revert_liger_kernel_to_youtu",
 ]

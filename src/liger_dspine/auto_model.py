@@ -1,5 +1,6 @@
 """``AutoLigerDSpineForCausalLM``: read the config, apply the matching patch at class level, then load."""
 
+import importlib
 import inspect
 
 from liger_dspine.registry import apply_fn_for
@@ -15,8 +16,35 @@ def _apply_patch_for(config, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in params}
 
 
+def causal_lm_class(config):
+    """``AutoModelForCausalLM``, or the model's own ``*ForCausalLM`` class where transformers' auto mapping has none
+    for this config (``mistral4``, whose checkpoints load as a multimodal model, has a text-only causal LM)."""
+    from transformers import AutoModelForCausalLM
+
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    model_type = config.model_type
+    try:
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ModuleNotFoundError:
+        return AutoModelForCausalLM  # its error names the model type
+    for value in vars(modeling).values():
+        if isinstance(value, type) and value.__name__.endswith("ForCausalLM") and value.config_class is type(config):
+            return value
+    return AutoModelForCausalLM
+
+
+def causal_lm_from_config(config, **kwargs):
+    """The causal LM of ``config`` (:func:`causal_lm_class`), built from it."""
+    model_class = causal_lm_class(config)
+    if model_class.__name__ == "AutoModelForCausalLM":
+        return model_class.from_config(config, **kwargs)
+    return model_class._from_config(config, **kwargs)
+
+
 class AutoLigerDSpineForCausalLM:
-    """Like ``AutoModelForCausalLM``, with this package's patch applied first (class level).
+    """Like ``AutoModelForCausalLM``, with this package's patch applied first (class level); a model type that the
+    auto mapping lacks but whose modeling module has a causal LM (``mistral4``) is built through that class.
 
     An unsupported model type is a ValueError listing the supported ones.
     """
@@ -31,10 +59,11 @@ class AutoLigerDSpineForCausalLM:
             hub_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token") if k in kwargs}
             config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
         rest = _apply_patch_for(config, kwargs)
-        return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **rest)
+        model_class = causal_lm_class(config)
+        if model_class is AutoModelForCausalLM:
+            return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **rest)
+        return model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **rest)
 
     @classmethod
     def from_config(cls, config, **kwargs):
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_config(config, **_apply_patch_for(config, kwargs))
+        return causal_lm_from_config(config, **_apply_patch_for(config, kwargs))

@@ -46,9 +46,9 @@ def _setup_device(force_interpreter: bool) -> None:
 def _inspect(config_arg: str) -> int:
     import torch
     from transformers import AutoConfig
-    from transformers import AutoModelForCausalLM
 
     from liger_dspine import apply_liger_kernel_to_instance
+    from liger_dspine.auto_model import causal_lm_from_config
 
     if os.path.exists(config_arg):
         path = os.path.dirname(config_arg) if config_arg.endswith(".json") else config_arg
@@ -56,7 +56,7 @@ def _inspect(config_arg: str) -> int:
     else:
         config = AutoConfig.for_model(config_arg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_from_config(config)
     print(apply_liger_kernel_to_instance(model))
     return 0
 

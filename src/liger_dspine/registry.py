@@ -10,6 +10,7 @@ from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
 from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3
+from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu
 from liger_dspine.patching import check_options
 
@@ -29,6 +30,7 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     # MLA models with a softmax router or none (models/deepseek_v2/spec.py)
     "deepseek_v2": apply_liger_kernel_to_deepseek_v2,
     "minicpm3": apply_liger_kernel_to_minicpm3,
+    "mistral4": apply_liger_kernel_to_mistral4,
 }
 
 # Model types built partly from DeepSeek-V3's classes that no patch here serves: a lookup names them as such.
@@ -49,7 +51,6 @@ UNSUPPORTED_FAMILY_MEMBERS = (
     "kolibri1",
     "longcat_flash",
     "mimo_v2_flash",
-    "mistral4",
     "mistral_large4",
     "muse_spark",
 )

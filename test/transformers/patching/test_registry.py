@@ -75,6 +75,7 @@ OURS = [
     "glm4_moe",
     "glm4_moe_lite",
     "minicpm3",
+    "mistral4",
     "sarvam_mla",
     "youtu",
 ]
