@@ -22,6 +22,11 @@ class LigerSwiGLUMLP(nn.Module):
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         check_plain_swiglu("LigerSwiGLUMLP", config)
+        if getattr(config, "mlp_bias", False):
+            raise ValueError(
+                "liger-dspine: LigerSwiGLUMLP has no projection biases; config has mlp_bias=True (DeepSeek-V2's and "
+                "MiniCPM3's MLPs would keep them): pass swiglu=False"
+            )
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
@@ -32,6 +37,12 @@ class LigerSwiGLUMLP(nn.Module):
     @classmethod
     def check_convertible(cls, module: nn.Module) -> None:
         check_plain_swiglu("LigerSwiGLUMLP", getattr(module, "config", None), module)
+        biased = [name for name in ("gate_proj", "up_proj", "down_proj") if getattr(module, name).bias is not None]
+        if biased:
+            raise ValueError(
+                f"liger-dspine: LigerSwiGLUMLP has no projection biases; this MLP's {', '.join(biased)} have them: "
+                "pass swiglu=False"
+            )
 
     @classmethod
     def convert(cls, module: nn.Module) -> None:

@@ -105,3 +105,16 @@ def test_native_experts_class_is_accepted_unchanged():
     model = build_model(tiny_deepseek_v3_config())
     apply_liger_kernel_to_deepseek_v3(model=model)
     assert not any(type(m) is native_experts_class() for m in model.modules())
+
+
+def test_biased_mlps_are_refused_at_both_levels():
+    """DeepSeek-V2's MLP (Llama's) takes ``mlp_bias``: LigerSwiGLUMLP has no biases, so it refuses them."""
+    case = CASES["deepseek_v2"]
+    case.modeling_or_skip()
+    with pytest.raises(ValueError, match="liger-dspine: LigerSwiGLUMLP has no projection biases; config has mlp_bias"):
+        LigerSwiGLUMLP(case.config(mlp_bias=True))
+    model = case.build(mlp_bias=True)
+    before = module_types(model)
+    with pytest.raises(ValueError, match="liger-dspine: LigerSwiGLUMLP has no projection biases; this MLP's gate_proj"):
+        case.apply_fn()(model=model)
+    assert module_types(model) == before and "forward" not in vars(model)
