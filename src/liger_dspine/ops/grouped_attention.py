@@ -8,10 +8,12 @@ sdpa picks for a masked bf16 / fp16 call) but keeps the [B, N / groups, K, D] ke
 in the backward, where the repeated copies live for that layer's backward only; the key and value gradients are
 summed over each group. Forward and gradients are what that kernel gives for the repeated tensors.
 
-Where that kernel does not run (CPU, fp32 inputs it rejects, dropout) callers use sdpa as before.
+Where sdpa would not pick that kernel (CPU, fp32, dropout, or a faster kernel such as cuDNN's attention) callers use
+sdpa as before.
 """
 
 import torch
+from torch.nn.attention import SDPBackend
 
 
 def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -68,11 +70,13 @@ class LigerGroupedAttentionFunction(torch.autograd.Function):
         return grad_query, grad_key, grad_value, None, None, None
 
 
-def grouped_attention_runs(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+def grouped_attention_runs(query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor, dropout: float) -> bool:
     """Whether :func:`liger_grouped_attention` applies: CUDA, half precision, no dropout, key heads grouped, head
-    width a multiple of 8 up to 128 and a key length the kernel's bias alignment (16) takes as it is."""
+    width a multiple of 8 up to 128, a key length the kernel's bias alignment (16) takes as it is, and sdpa itself
+    would pick the memory-efficient kernel for the repeated heads (elsewhere, cuDNN's attention for one, this op
+    would trade sdpa's kernel for a slower one)."""
     head_dim = query.shape[-1]
-    return (
+    if not (
         query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and dropout == 0.0
@@ -80,7 +84,11 @@ def grouped_attention_runs(query: torch.Tensor, key: torch.Tensor, dropout: floa
         and head_dim % 8 == 0
         and head_dim <= 128
         and key.shape[2] % 16 == 0
-    )
+    ):
+        return False
+    repeated = key[:, :1].expand(key.shape[0], query.shape[1], *key.shape[2:])  # sizes only: no copy
+    choice = torch._fused_sdp_choice(query, repeated, repeated, bias, dropout, False, scale=None)
+    return choice == int(SDPBackend.EFFICIENT_ATTENTION)
 
 
 def liger_grouped_attention(

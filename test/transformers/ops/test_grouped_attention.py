@@ -36,7 +36,7 @@ def test_additive_mask_equals_sdpa_on_the_bool_mask_and_is_made_once():
 
 def test_grouped_attention_applies_only_where_its_kernel_runs():
     q, k = torch.empty(1, 8, 4, 64), torch.empty(1, 2, 16, 64)
-    assert not grouped_attention_runs(q, k, 0.0)  # CPU
+    assert not grouped_attention_runs(q, k, torch.zeros(1, 1, 4, 16), 0.0)  # CPU
 
 
 def test_grouped_attention_refuses_bad_shapes():
