@@ -68,6 +68,7 @@ def test_grouped_attention_matches_sdpa_on_repeated_heads(dtype, groups):
         expected = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=bias, scale=head_dim**-0.5)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
     assert torch.equal(out, expected)  # the same kernel on the same inputs
-    assert torch.equal(grads[0], expected_grads[0])
-    for got, want in zip(grads[1:], expected_grads[1:]):  # summed over the group in another order
+    # the kernel's backward accumulates in an order that varies from run to run, and the key / value gradients are
+    # summed over each group in another order: half-precision rounding apart
+    for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
