@@ -16,7 +16,6 @@ K x ``TOPK_SUB`` columns rather than on all V.
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -154,15 +153,6 @@ def _block_v(vocab_size: int) -> int:
     return max(TOPK_SUB, min(_MAX_BLOCK_V, triton.next_power_of_2(vocab_size)))
 
 
-def chunk_logits(draft: torch.Tensor, teacher: torch.Tensor | None, weight: torch.Tensor):
-    """(z [C, V], y [C, V] or None), contiguous, in the weight's dtype; one GEMM for draft and teacher rows."""
-    rows = draft.shape[0]
-    if teacher is None:
-        return F.linear(draft.to(weight.dtype), weight).contiguous(), None
-    logits = F.linear(torch.cat([draft, teacher]).to(weight.dtype), weight)  # [2C, V], rows contiguous
-    return logits[:rows], logits[rows:]
-
-
 class ChunkStats:
     """What the stats kernel gives for one chunk of rows; tensors [C] unless noted."""
 
@@ -283,12 +273,26 @@ class RowResults:
 
 
 def chunk_logit_passes(draft_hidden, teacher_hidden, weight, chunk_rows):
-    """For each chunk of rows: (start, end, z, y) after the logits GEMM (y None without a teacher)."""
+    """For each chunk of rows: (start, end, z [C, V], y [C, V] or None) after one logits GEMM for draft and teacher
+    rows together, in the weight's dtype.
+
+    Every chunk's logits go into one buffer ([2C, V] with a teacher, [C, V] without), which the next chunk
+    overwrites: a caller is done with a chunk's z and y when it asks for the next chunk. (A new output per chunk
+    would hold two chunks' logits at once, since the next GEMM's output is allocated while the caller still holds
+    the previous one.)
+    """
     rows = draft_hidden.shape[0]
+    factor = 1 if teacher_hidden is None else 2
+    buffer = weight.new_empty(factor * min(chunk_rows, rows), weight.shape[0])
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
-        teacher = teacher_hidden[start:end] if teacher_hidden is not None else None
-        yield (start, end, *chunk_logits(draft_hidden[start:end], teacher, weight))
+        count = end - start
+        inputs = draft_hidden[start:end]
+        if teacher_hidden is not None:
+            inputs = torch.cat([inputs, teacher_hidden[start:end]])
+        logits = buffer[: factor * count]
+        torch.mm(inputs.to(weight.dtype), weight.t(), out=logits)
+        yield start, end, logits[:count], logits[count:] if teacher_hidden is not None else None
 
 
 def chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):

@@ -167,3 +167,22 @@ def test_cuda_bf16_matches_eager_and_stays_lean(monkeypatch):
     # bf16 ulp (2^-8) of the gradient's scale
     error = (leaf.grad.double() - ref_grad.double()).abs().max() / ref_grad.double().abs().max()
     assert error < 1e-2, error
+
+
+def test_chunk_logits_share_one_buffer():
+    """Every chunk's logits are the GEMM's, written into one buffer: no two chunks' logits are alive at once."""
+    from liger_dspine.ops.frozen_head_kernels import chunk_logit_passes
+
+    generator = torch.Generator().manual_seed(3)
+    draft, teacher = torch.randn(11, 8, generator=generator), torch.randn(11, 8, generator=generator)
+    weight = torch.randn(40, 8, generator=generator)
+    storages = set()
+    for start, end, z, y in chunk_logit_passes(draft, teacher, weight, 4):
+        storages.add(z.untyped_storage().data_ptr())
+        assert z.shape == y.shape == (end - start, 40)
+        torch.testing.assert_close(z, draft[start:end] @ weight.T)
+        torch.testing.assert_close(y, teacher[start:end] @ weight.T)
+    assert len(storages) == 1
+    for start, end, z, y in chunk_logit_passes(draft, None, weight, 4):
+        assert y is None
+        torch.testing.assert_close(z, draft[start:end] @ weight.T)
