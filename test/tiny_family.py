@@ -142,7 +142,7 @@ def _case(model_type, prefix, values, mla=True, moe=True) -> FamilyCase:
 
 def _swapped(prefix, moe_block=None, routes_in_block=False) -> tuple[str, ...]:
     """What a spec of ``models/deepseek_v2/spec.py`` replaces; with ``routes_in_block``, the MoE block's routing
-    method too (DeepSeek-V2 before transformers 5.17)."""
+    method too (DeepSeek-V2 before transformers 5.17, Mistral-Small-4 before 5.13)."""
     moe = (f"{prefix}Experts",) if moe_block else ()
     router = (f"{prefix}TopkRouter",) if moe_block else ()
     if routes_in_block:
@@ -189,7 +189,7 @@ CASES = {
             "mistral4",
             "Mistral4",
             {**COMMON, **MLA, **SOFTMAX_MOE, "first_k_dense_replace": 1, "rope_parameters": MISTRAL4_ROPE},
-            _swapped("Mistral4", moe_block="Mistral4MoE"),
+            _swapped("Mistral4", moe_block="Mistral4MoE", routes_in_block=True),
         ),
     )
 }

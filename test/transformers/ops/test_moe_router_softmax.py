@@ -1,11 +1,12 @@
 """The fused router in its softmax modes against transformers' routers, over a seeded sweep of layouts.
 
 DeepSeek-V2 (``DeepseekV2TopkRouter``, transformers >= 5.17): softmax, "greedy" or "group_limited_greedy" (groups
-scored by their largest score), no renormalisation, no correction bias. Mistral-Small-4 (``Mistral4TopkRouter``):
-softmax, groups scored by the sum of their two largest scores, ``norm_topk_prob``. Expert counts, group counts and
-``top_k`` are drawn with a fixed seed, powers of two or not; indices, weights and the gradients of the router weight
-and of the hidden states are compared in fp32. Tokens whose group or expert choice is decided by less than
-``MARGIN`` (fp64) are dropped first, so that an fp32 rounding cannot flip a near tie.
+scored by their largest score), no renormalisation, no correction bias. Mistral-Small-4 (``Mistral4TopkRouter``, with
+``Mistral4MoE.route_tokens_to_experts`` before transformers 5.13): softmax, groups scored by the sum of their two
+largest scores, ``norm_topk_prob``. Expert counts, group counts and ``top_k`` are drawn with a fixed seed, powers of
+two or not; indices, weights and the gradients of the router weight and of the hidden states are compared in fp32.
+Tokens whose group or expert choice is decided by less than ``MARGIN`` (fp64) are dropped first, so that an fp32
+rounding cannot flip a near tie.
 """
 
 import importlib
@@ -115,7 +116,26 @@ def native_router(layout: Layout, seed: int):
     router = router_class(config).float()
     with torch.no_grad():
         router.weight.normal_(0.0, 0.5)
+    if not hasattr(router, "num_group"):
+        # transformers < 5.13 (Mistral-Small-4): the router returns only the logits, the MoE block selects
+        config.moe_intermediate_size = config.intermediate_size = 4
+        return BlockRouting(getattr(modeling, f"{prefix}MoE")(config).float(), router)
     return router
+
+
+class BlockRouting:
+    """A router returning only the logits and its MoE block's ``route_tokens_to_experts``, as the router of
+    transformers >= 5.13: ``(router_logits, topk_weights, topk_indices)``."""
+
+    def __init__(self, block, router):
+        self.block = block
+        self.router = router
+        self.weight = router.weight
+
+    def __call__(self, hidden):
+        router_logits = self.router(hidden)
+        topk_indices, topk_weights = self.block.route_tokens_to_experts(router_logits)
+        return router_logits, topk_weights, topk_indices
 
 
 def liger_routing(router, layout: Layout, hidden: torch.Tensor):

@@ -9,9 +9,12 @@
   Its logits are in the model's dtype, as natively; the softmax and the selection then run in fp32 (natively in the
   model's dtype: in bf16 the weights may differ by bf16 rounding), and the weights come back in the model's dtype.
 
-Two layouts of transformers: a router module whose forward returns ``(router_logits, topk_weights, topk_indices)``
-(:class:`LigerSoftmaxTopkRouter`), or, for DeepSeek-V2 before 5.17, an ``nn.Linear`` gate and the selection in
-``DeepseekV2Moe.route_tokens_to_experts(router_logits)`` (:func:`liger_deepseek_v2_route_tokens_to_experts`).
+Three layouts of transformers: a router module whose forward returns ``(router_logits, topk_weights, topk_indices)``
+(:class:`LigerSoftmaxTopkRouter`); for DeepSeek-V2 before 5.17, an ``nn.Linear`` gate and the selection in
+``DeepseekV2Moe.route_tokens_to_experts(router_logits)`` (:func:`liger_deepseek_v2_route_tokens_to_experts`); for
+Mistral-Small-4 before 5.13, a router returning only the logits (the Liger router then does the same) and the
+selection in ``Mistral4MoE.route_tokens_to_experts`` (:func:`liger_top2_route_tokens_to_experts`). The layout is read
+from the router instance (the newer one sets ``num_group``).
 """
 
 import torch
@@ -45,11 +48,14 @@ class LigerSoftmaxTopkRouter:
     logits_in_fp32 = True
 
     def forward(self, hidden_states: torch.Tensor):
-        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        hidden_states = hidden_states.view(-1, self.weight.shape[1])
         if self.logits_in_fp32:
             router_logits = liger_router_logits(hidden_states, self.weight)
         else:
             router_logits = F.linear(hidden_states, self.weight)
+        if not hasattr(self, "num_group"):
+            # transformers < 5.13 (Mistral-Small-4): the MoE block routes (see liger_top2_route_tokens_to_experts).
+            return router_logits
         topk_method = getattr(self, "topk_method", None)
         if topk_method is None:
             selection = dict(n_group=self.num_group, topk_group=self.topk_group, group_score="top2")
@@ -79,5 +85,23 @@ def liger_deepseek_v2_route_tokens_to_experts(self, router_logits: torch.Tensor)
         routed_scaling_factor=self.routed_scaling_factor,
         score_func="softmax",
         **deepseek_v2_selection(self.topk_method, self.num_group, self.topk_group),
+    )
+    return topk_indices, topk_weights
+
+
+def liger_top2_route_tokens_to_experts(self, router_logits: torch.Tensor):
+    """Replacement for ``Mistral4MoE.route_tokens_to_experts`` of transformers < 5.13 (softmax, groups scored by
+    their top-2 sum, ``norm_topk_prob``): ``router_logits [T, E]`` -> ``(topk_indices [T, K] int64, topk_weights
+    [T, K])``, in that method's order; the selection in fp32, as :class:`LigerSoftmaxTopkRouter`'s."""
+    topk_weights, topk_indices = liger_moe_router_topk(
+        router_logits,
+        None,
+        top_k=self.top_k,
+        n_group=self.n_group,
+        topk_group=self.topk_group,
+        norm_topk_prob=self.norm_topk_prob,
+        routed_scaling_factor=self.routed_scaling_factor,
+        score_func="softmax",
+        group_score="top2",
     )
     return topk_indices, topk_weights

@@ -42,6 +42,7 @@ def mla_model_spec(
     modules: str,
     moe_block: str | None,
     route_method: str | None = None,
+    router_optional: bool = False,
     forwards: str = CAUSAL_LM_FORWARDS,
 ) -> PatchSpec:
     """The swaps of ``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>Attention`` (MLA) and, with a ``moe_block``
@@ -52,7 +53,9 @@ def mla_model_spec(
             ``Liger<prefix>TopkRouter``.
         moe_block: the MoE block class; None for a dense model.
         route_method: ``"module:function"`` replacing ``<moe_block>.route_tokens_to_experts`` where a transformers
-            version routes in the MoE block (the router class is then absent).
+            version routes in the MoE block.
+        router_optional: some supported transformers versions have no ``<prefix>TopkRouter`` (DeepSeek-V2 before
+            5.17: the gate is a plain ``nn.Linear``).
         forwards: the module defining ``lce_forward``, ``lce_forward_vocab_chunked`` and ``ce_forward``.
     """
     swaps = [
@@ -76,7 +79,7 @@ def mla_model_spec(
                 "moe_router",
                 (f"{prefix}TopkRouter",),
                 f"{modules}:Liger{prefix}TopkRouter",
-                required=route_method is None,
+                required=not router_optional,
             )
         )
     if route_method is not None:
@@ -101,4 +104,5 @@ DEEPSEEK_V2_SPEC = mla_model_spec(
     modules="liger_dspine.models.deepseek_v2.modules",
     moe_block="DeepseekV2Moe",
     route_method="liger_dspine.models.deepseek_v2.router:liger_deepseek_v2_route_tokens_to_experts",
+    router_optional=True,
 )

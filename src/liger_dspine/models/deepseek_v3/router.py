@@ -7,7 +7,8 @@ Two layouts of transformers are covered:
 - before (5.8.1 to 5.12): the router returns only the logits and ``DeepseekV3MoE.route_tokens_to_experts(logits)
   -> (topk_indices, topk_weights)`` does the selection. ``LigerDeepseekV3TopkRouter`` then returns only the logits
   (like its parent), and ``liger_route_tokens_to_experts`` is the replacement for that method.
-The layout is read from the router instance itself (the newer one sets ``top_k``), not from a version number.
+The layout is read from the router instance itself (the newer one sets ``num_group``; GLM's older routers already
+hold ``top_k`` and ``n_group`` but still return only the logits), not from a version number.
 
 The forward is the mixin :class:`LigerTopkRouter`: models whose router is a copy of DeepSeek-V3's (GLM-4.5,
 GLM-4.7-Flash, dots.llm1, A.X-K1) each get a ``Liger<Native>`` class from it and their own router class.
@@ -33,7 +34,7 @@ class LigerTopkRouter:
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.view(-1, self.weight.shape[1])
         router_logits = liger_router_logits(hidden_states, self.weight)
-        if not hasattr(self, "top_k"):
+        if not hasattr(self, "num_group"):
             # transformers < 5.13: the MoE block routes (see liger_route_tokens_to_experts).
             return router_logits
         topk_weights, topk_indices = liger_moe_router_topk(
