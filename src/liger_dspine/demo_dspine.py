@@ -1,8 +1,9 @@
 """A tiny DSpine drafter trained natively and with the Liger patch against a tiny DeepSeek-V3 target, side by side.
 
-The target has random weights (nothing is downloaded) and stays frozen: each step runs it on a batch of the
-embedded corpus with ``output_hidden_states=True`` and hands its taps and final states to the drafter's objective,
-as a trainer capturing them on the fly does. The patched copy is converted at instance level
+The target has random weights (nothing is downloaded) and stays frozen: each step captures its taps and final
+states on a batch of the embedded corpus (:class:`~liger_dspine.models.dspine.capture.TargetCapture`, which
+keeps only those) and hands them to the drafter's objective, as a trainer capturing them on the fly does. The patched
+copy is converted at instance level
 (``apply_liger_kernel_to_dspine(model=objective)``): Liger RMSNorm and SwiGLU in the drafter, fused frozen-head
 terms in the objective. With a random target and a few steps the losses follow the batches more than they fall;
 what the demo shows is that both columns agree.
@@ -46,26 +47,13 @@ def dspine_demo_config(target_config):
     )
 
 
-@torch.no_grad()
-def capture_target_states(target, input_ids: torch.Tensor) -> dict:
-    """The objective's inputs for one batch [B, S]: taps [B, S, T*H] and final-normed states [B, S, H]."""
-    outputs = target.model(input_ids=input_ids, output_hidden_states=True)
-    taps = torch.cat([outputs.hidden_states[i + 1] for i in TARGET_LAYER_IDS], dim=-1)
-    return dict(
-        input_ids=input_ids,
-        hidden_states=taps,
-        loss_mask=torch.ones_like(input_ids, dtype=torch.float32),
-        target_last_hidden_states=outputs.last_hidden_state,
-    )
-
-
-def train(objective, target, batches, device, seed: int, desc: str) -> list[float]:
+def train(objective, capture, batches, device, seed: int, desc: str) -> list[float]:
     """AdamW steps on the drafter; each step reseeds, so both runs draw the same anchors and teacher forcing."""
     optimizer = torch.optim.AdamW(objective.draft_model.parameters(), lr=3e-3)
     objective.train()
     losses = []
     for step, input_ids in enumerate(tqdm(batches, desc=desc, unit="step")):
-        batch = capture_target_states(target, input_ids.to(device))
+        batch = capture(input_ids.to(device))
         torch.manual_seed(seed + step)
         out = objective(**batch, global_step=step, total_steps=len(batches))
         out.loss.backward()
@@ -81,6 +69,7 @@ def run_dspine_demo(steps: int = 8, seed: int = 0) -> int:
     from liger_dspine import apply_liger_kernel_to_dspine
     from liger_dspine.models.dspine import DSpineDraftModel
     from liger_dspine.models.dspine import DSpineObjective
+    from liger_dspine.models.dspine.capture import TargetCapture
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = "CUDA kernels" if device == "cuda" else "Triton's interpreter on the CPU"
@@ -95,13 +84,14 @@ def run_dspine_demo(steps: int = 8, seed: int = 0) -> int:
     native = DSpineObjective(draft, target.lm_head, target.model.embed_tokens, num_anchors=NUM_ANCHORS)
     patched = copy.deepcopy(native)
     report = apply_liger_kernel_to_dspine(model=patched)
+    capture = TargetCapture(target, TARGET_LAYER_IDS)
     batches = corpus_batches(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, steps=steps, seed=seed)
 
     start = time.perf_counter()
-    native_losses = train(native, target, batches, device, seed, "native")
+    native_losses = train(native, capture, batches, device, seed, "native")
     native_s = time.perf_counter() - start
     start = time.perf_counter()
-    patched_losses = train(patched, target, batches, device, seed, "liger-dspine")
+    patched_losses = train(patched, capture, batches, device, seed, "liger-dspine")
     patched_s = time.perf_counter() - start
 
     return print_comparison(native_losses, patched_losses, native_s, patched_s, where, report)

@@ -1,4 +1,4 @@
-"""DSpine block drafter: configuration, native modeling, training objective and accumulation driver.
+"""DSpine block drafter: configuration, native modeling, target capture, training objective and accumulation driver.
 
 Names are imported on first use, so importing the patch (``apply``, ``spec``) does not import transformers'
 modeling code (which imports Triton before a CPU interpreter could be switched on).
@@ -16,6 +16,7 @@ _EXPORTS = {
     "DSpineObjectiveOutput": "objective",
     "DSpineOutput": "modeling",
     "FrozenHeadTerms": "frozen_head_terms",
+    "TargetCapture": "capture",
     "build_target_layer_ids": "configuration",
 }
 

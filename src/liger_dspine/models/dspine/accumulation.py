@@ -96,7 +96,7 @@ class DSpineAccumulationWindow:
         stored, devices = _store(batch, self.offload_batch)
         if "max_valid_anchors" not in stored and self.offload_batch and "loss_mask" in stored:
             # From the host copy: the objective then needs no device sync, and prepass and replay agree on N.
-            stored["max_valid_anchors"] = max_valid_anchor_count(stored["loss_mask"])
+            stored["max_valid_anchors"] = max_valid_anchor_count(stored["loss_mask"], stored.get("document_ids"))
             batch = {**batch, "max_valid_anchors": stored["max_valid_anchors"]}
         cuda_device = _cuda_device(batch)
         cpu_state = torch.get_rng_state()

@@ -5,20 +5,28 @@ from typing import NamedTuple
 import torch
 
 
-def _valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+def _valid_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S-1] bool: a and a+1 supervised (and, with ``document_ids``, in the same document)."""
     supervised = loss_mask > 0.5
-    return supervised[:, :-1] & supervised[:, 1:]
+    valid = supervised[:, :-1] & supervised[:, 1:]
+    if document_ids is not None:
+        valid = valid & (document_ids[:, :-1] == document_ids[:, 1:])
+    return valid
 
 
-def max_valid_anchor_count(loss_mask: torch.Tensor) -> int:
+def max_valid_anchor_count(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> int:
     """Largest number of valid anchors in a row of ``loss_mask`` [B, S] (compute it on a host copy)."""
-    return int(_valid_anchors(loss_mask).sum(dim=1).max()) if loss_mask.shape[0] > 0 else 0
+    return int(_valid_anchors(loss_mask, document_ids).sum(dim=1).max()) if loss_mask.shape[0] > 0 else 0
 
 
 def sample_anchor_positions(
-    loss_mask: torch.Tensor, num_anchors: int, max_valid_anchors: int | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    max_valid_anchors: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw up to N anchors per row among positions a with loss_mask[a] and loss_mask[a+1] supervised.
+    """Draw up to N anchors per row among positions a with loss_mask[a] and loss_mask[a+1] supervised (and, with
+    ``document_ids`` [B, S] of a packed row, a+1 in a's document).
 
     Uses one ``torch.rand([B, S-1])`` on the mask's device. N = min(num_anchors, max_valid_anchors); without
     ``max_valid_anchors`` the largest per-row count is used (a device sync).
@@ -31,7 +39,7 @@ def sample_anchor_positions(
         keep: [B, N] bool.
     """
     batch, seq = loss_mask.shape
-    valid = _valid_anchors(loss_mask)  # [B, S-1]
+    valid = _valid_anchors(loss_mask, document_ids)  # [B, S-1]
     counts = valid.sum(dim=1)
     if max_valid_anchors is None:
         max_valid_anchors = int(counts.max()) if batch > 0 else 0
@@ -66,11 +74,13 @@ def block_targets(
     keep: torch.Tensor,
     block_size: int,
     decay_gamma: float | None,
+    document_ids: torch.Tensor | None = None,
 ) -> BlockTargets:
     """Labels of every block slot and the weights of its proposals.
 
-    A proposal counts only if it and every earlier proposal of its block are supervised; proposal k (1-based)
-    weighs exp(-(k-1)/gamma) when gamma > 0.
+    A proposal counts only if it and every earlier proposal of its block are supervised, and (with
+    ``document_ids`` [B, S]) in the anchor's document: a document ends a block as the row's end does. Proposal k
+    (1-based) weighs exp(-(k-1)/gamma) when gamma > 0.
     """
     seq = input_ids.shape[1]
     offsets = torch.arange(block_size, device=anchors.device)
@@ -80,6 +90,8 @@ def block_targets(
     labels = input_ids.gather(1, flat).view_as(source)
     slot_mask = loss_mask.gather(1, flat).view_as(source) > 0.5
     slot_ok = (positions < seq) & keep[:, :, None] & slot_mask
+    if document_ids is not None:
+        slot_ok = slot_ok & (document_ids.gather(1, flat).view_as(source) == document_ids.gather(1, anchors)[..., None])
     supervised = slot_ok[..., 1:].long().cumprod(dim=-1).bool()
     weights = supervised.float()
     if decay_gamma is not None and decay_gamma > 0:

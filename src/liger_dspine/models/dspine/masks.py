@@ -17,12 +17,19 @@ def draft_position_ids(anchors: torch.Tensor, context_length: int, block_size: i
     return torch.cat([context, draft], dim=1)
 
 
-def causal_block_mask(anchors: torch.Tensor, keep: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+def causal_block_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    context_length: int,
+    block_size: int,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dense bool mask [B, 1, N*b, S + N*b], True = attend.
 
     Args:
         anchors: [B, N] long, anchor position of each block in the context.
         keep: [B, N] bool, whether the block is used.
+        document_ids: [B, S] long or None, the document of each context position.
     """
     batch, num_blocks = anchors.shape
     device = anchors.device
@@ -32,6 +39,9 @@ def causal_block_mask(anchors: torch.Tensor, keep: torch.Tensor, context_length:
     # Context part: [B, N*b, S], visible strictly before the anchor.
     query_anchor = anchors.repeat_interleave(block_size, dim=1)
     context_visible = torch.arange(context_length, device=device) < query_anchor[:, :, None]
+    if document_ids is not None:
+        anchor_document = document_ids.gather(1, query_anchor)  # [B, N*b]
+        context_visible = context_visible & (document_ids[:, None, :] == anchor_document[:, :, None])
     # Draft part: [N*b, N*b], same block and offset <= own offset.
     same_block = query_block[:, None] == query_block[None, :]
     draft_visible = same_block & (query_offset[None, :] <= query_offset[:, None])
@@ -41,7 +51,13 @@ def causal_block_mask(anchors: torch.Tensor, keep: torch.Tensor, context_length:
     return (visible & query_keep[:, :, None])[:, None]
 
 
-def causal_block_flex_mask(anchors: torch.Tensor, keep: torch.Tensor, context_length: int, block_size: int):
+def causal_block_flex_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    context_length: int,
+    block_size: int,
+    document_ids: torch.Tensor | None = None,
+):
     """The same predicate as :func:`causal_block_mask`, as a flex-attention ``BlockMask`` (H=None)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -53,6 +69,9 @@ def causal_block_flex_mask(anchors: torch.Tensor, keep: torch.Tensor, context_le
         offset = q_idx % block_size
         anchor = anchors[b, block]
         in_context = (kv_idx < context_length) & (kv_idx < anchor)
+        if document_ids is not None:
+            context_key = kv_idx.clamp(max=context_length - 1)
+            in_context = in_context & (document_ids[b, context_key] == document_ids[b, anchor])
         draft_idx = kv_idx - context_length
         in_block = (kv_idx >= context_length) & (draft_idx // block_size == block) & (draft_idx % block_size <= offset)
         return keep[b, block] & (in_context | in_block)

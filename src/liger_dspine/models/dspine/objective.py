@@ -301,10 +301,10 @@ class DSpineObjective(nn.Module):
         return backbone, ce, l1, ref, align, correct, coverage
 
     # ------------------------------------------------------------------------------------------------------ forward
-    def _attention_masks(self, anchors, keep, context_length):
+    def _attention_masks(self, anchors, keep, context_length, document_ids=None):
         implementation = self.draft_model.config._attn_implementation or "sdpa"
         build = causal_block_flex_mask if implementation == "flex_attention" else causal_block_mask
-        mask = build(anchors, keep, context_length, self.block_size)
+        mask = build(anchors, keep, context_length, self.block_size, document_ids)
         return {kind: mask for kind in set(self.draft_model.layer_types)}
 
     def forward(
@@ -318,6 +318,7 @@ class DSpineObjective(nn.Module):
         total_steps: int | None = None,
         alignment_ce: torch.Tensor | float | None = None,
         ce_only: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> DSpineObjectiveOutput:
         """
         Args:
@@ -330,6 +331,9 @@ class DSpineObjective(nn.Module):
             alignment_ce: CE_global for the alignment scale; None computes it here (one all-reduce when
                 torch.distributed is initialised).
             ce_only: graph-free prepass (autograd must be off): same draws and draft forward, backbone CE only.
+            document_ids: [B, S] long, the document of each token of a packed row (``TargetCapture`` returns it
+                for ``position_ids``). Anchors then need their next token in their document, a block's proposals
+                stop at the document's end, and the draft sees only its document's context.
         """
         if ce_only and torch.is_grad_enabled():
             raise ValueError("DSpine CE prepass requires gradients to be disabled")
@@ -338,8 +342,12 @@ class DSpineObjective(nn.Module):
         draft = self.draft_model
         batch, seq = input_ids.shape
         block = self.block_size
-        anchors, keep = sample_anchor_positions(loss_mask, self.num_anchors, max_valid_anchors)
-        targets = block_targets(input_ids, loss_mask, anchors, keep, block, self.loss_decay_gamma)
+        if document_ids is not None and tuple(document_ids.shape) != (batch, seq):
+            raise ValueError(
+                f"liger-dspine: document_ids must be [B, S] = {(batch, seq)}, got {tuple(document_ids.shape)}"
+            )
+        anchors, keep = sample_anchor_positions(loss_mask, self.num_anchors, max_valid_anchors, document_ids)
+        targets = block_targets(input_ids, loss_mask, anchors, keep, block, self.loss_decay_gamma, document_ids)
         beta, p_replace = self.dspine_config.schedule(global_step, total_steps)
         replace = None
         if self.training and p_replace > 0:
@@ -350,7 +358,7 @@ class DSpineObjective(nn.Module):
             kwargs["kernel_options"] = {"BACKEND": "TRITON"}
         out = draft(
             draft_position_ids(anchors, seq, block),
-            self._attention_masks(anchors, keep, seq),
+            self._attention_masks(anchors, keep, seq, document_ids),
             noise_embedding,
             hidden_states.detach(),
             targets.labels,
