@@ -83,9 +83,11 @@ class Job:
     layers: int = 0
     seq: int = 0
     options: dict = field(default_factory=dict)
+    model: str = "deepseek_v3"  # or a model type of family_configs.FAMILY
 
     def __str__(self) -> str:
-        return f"{self.kind} {self.label} {self.layers}L/{self.seq}"
+        model = "" if self.model == "deepseek_v3" else f"{self.model} "
+        return f"{self.kind} {model}{self.label} {self.layers}L/{self.seq}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +178,7 @@ def run_child(job: Job, timeout: float, args) -> list[dict]:
     result_file = os.path.join(cache_dir, "result.jsonl")
     flags = dict(
         child=job.kind,
+        model=job.model,
         impl=job.impl,
         label=job.label,
         layers=job.layers,
@@ -218,6 +221,7 @@ def run_child(job: Job, timeout: float, args) -> list[dict]:
 
 def _job_row(job: Job, **values) -> dict:
     row = dict(kind=job.kind, impl=job.label, layers=job.layers, seq=job.seq, options=json.dumps(job.options))
+    row["model"] = job.model
     row.update(values)
     return row
 
@@ -261,6 +265,7 @@ def child_main(args) -> int:
     import torch
 
     base = dict(kind=args.child, impl=args.label, layers=args.layers, seq=args.seq, options=args.options)
+    base["model"] = args.model
     bench = ChildBench(args, torch)
     try:
         if args.child == "matmul":
@@ -390,17 +395,15 @@ class ChildBench:
     def _build(self, row: dict, max_seq: int):
         """Patch (liger / liger-dspine), then build the model directly on the device in the benchmark dtype."""
         torch, args = self.torch, self.args
-        _apply_patch(args.impl, json.loads(args.options))
-        from transformers.models.deepseek_v3 import modeling_deepseek_v3
-
-        config = deepseek_v3_config(args.layers, args.tiny, max_seq)
+        _apply_patch(args.impl, json.loads(args.options), args.model)
+        config = model_config(args.model, args.layers, args.tiny, max_seq)
         started = time.monotonic()
         torch.manual_seed(0)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = modeling_deepseek_v3.DeepseekV3ForCausalLM(config)
+                model = model_class(args.model)(config)
         finally:
             torch.set_default_dtype(previous)
         model.train()
@@ -436,7 +439,7 @@ class ChildBench:
         return loss.detach()
 
     def _step_values(self, seq: int, step_s: float, loss: float) -> dict:
-        config = deepseek_v3_config(self.args.layers, self.args.tiny, seq)
+        config = model_config(self.args.model, self.args.layers, self.args.tiny, seq)
         peak = self.torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
         return dict(
             step_ms=step_s * 1e3,
@@ -491,17 +494,35 @@ def deepseek_v3_config(layers: int, tiny: bool, max_seq: int):
     return DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=max(max_seq, 4096), **REAL_WIDTHS, **SLIM)
 
 
-def _apply_patch(impl: str, options: dict) -> None:
+def model_config(model: str, layers: int, tiny: bool, max_seq: int):
+    if model == "deepseek_v3":
+        return deepseek_v3_config(layers, tiny, max_seq)
+    from family_configs import family_config
+
+    return family_config(model, layers, tiny, max_seq)
+
+
+def model_class(model: str):
+    if model == "deepseek_v3":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+        return modeling_deepseek_v3.DeepseekV3ForCausalLM
+    from family_configs import family_class
+
+    return family_class(model)
+
+
+def _apply_patch(impl: str, options: dict, model: str = "deepseek_v3") -> None:
     if impl == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_deepseek_v3
+        from liger_kernel.transformers import monkey_patch
 
-        apply_liger_kernel_to_deepseek_v3(**options)
-        logger.info("liger-kernel patch applied (%s)", options or "defaults")
+        getattr(monkey_patch, f"apply_liger_kernel_to_{model}")(**options)
+        logger.info("liger-kernel %s patch applied (%s)", model, options or "defaults")
     elif impl == "liger-dspine":
-        import liger_dspine
+        from liger_dspine import registry
 
-        report = liger_dspine.apply_liger_kernel_to_deepseek_v3(**options)
-        logger.info("liger-dspine patch applied (%s): %s", options or "defaults", report)
+        report = registry.apply_fn_for(model)(**options)
+        logger.info("liger-dspine %s patch applied (%s): %s", model, options or "defaults", report)
 
 
 def _sweep(args) -> dict:
@@ -553,6 +574,7 @@ def parse_args(argv=None):
     # internal: one job in this process
     parser.add_argument("--child", choices=("matmul", "throughput", "max_seq"), help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="deepseek_v3", help=argparse.SUPPRESS)
     parser.add_argument("--label", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, default=0, help=argparse.SUPPRESS)
@@ -563,7 +585,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tag = f"[{args.label} {args.child} {args.layers}L/{args.seq}] " if args.child else ""
+    model = "" if args.model == "deepseek_v3" else f"{args.model} "
+    tag = f"[{model}{args.label} {args.child} {args.layers}L/{args.seq}] " if args.child else ""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tag}%(message)s", datefmt="%H:%M:%S")
     if args.child:
         return child_main(args)

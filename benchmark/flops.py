@@ -26,7 +26,8 @@ def forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
     scores_per_layer = heads * (qk_head + v_head) * seq_len / 2
 
     layers = config.num_hidden_layers
-    dense_layers = min(config.first_k_dense_replace, layers)
+    kinds = getattr(config, "mlp_layer_types", None)  # GLM-4.7-Flash / V3.2 configs: "dense" / "sparse" per layer
+    dense_layers = sum(k == "dense" for k in kinds[:layers]) if kinds else min(config.first_k_dense_replace, layers)
     moe_layers = layers - dense_layers
     experts = config.n_routed_experts
     expert_mlp = 3 * hidden * config.moe_intermediate_size

@@ -29,6 +29,7 @@ FIELDS = [
     "experts",
     "moe_autotune",
     "device",
+    "model",
 ]
 BASELINES = ("hf", "liger")
 # Section 1 of the anchors (H200, 2026-12-02): (layers, seq) -> (HF peak GiB, liger peak GiB, HF tok/s, liger tok/s)

@@ -4,9 +4,15 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine
+#         | profile-dspine | bench-family | bench-family-v32
 #
-# The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). Every step runs under `timeout`
+# The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
+# and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
+# has (deepseek_v32, glm_moe_dsa, ...). Download them here (pure-python wheels) with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .whl \
+#     transformers==5.24.0 huggingface-hub==1.33.0
+# (5.24 wants huggingface-hub >= 1.31; its other requirements, tokenizers, safetensors and regex, are 5.17's.)
+# Every step runs under `timeout`
 # inside one budget for the whole script, so the command ends in time and $OUT holds what finished.
 # Environment (all optional):
 #   OUT            where results go (default /tmp/liger-dspine-bench)
@@ -14,7 +20,8 @@
 #   TEST_TIMEOUT_S cap of each pytest step (default 300)
 #   PYTHON         interpreter (default python3)
 #   WHEELS         folder of wheels to install (default .whl; none there: use what is installed)
-#   BENCH_ARGS     extra arguments of benchmark/bench_deepseek_v3.py (e.g. --tiny, --variant ...)
+#   NEW_TRANSFORMERS  1: also install the transformers / huggingface-hub wheels of $WHEELS (default 0)
+#   BENCH_ARGS     extra arguments of the benchmark script (e.g. --tiny, --variant ...)
 #   PYTEST_ARGS    extra arguments of pytest (split on spaces)
 #   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"
 set -u -o pipefail
@@ -32,8 +39,16 @@ TEE_PID=$!
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  $PYTHON -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+wheels=()
+for wheel in "$WHEELS"/*.whl; do
+  [[ -e $wheel ]] || continue
+  case ${wheel##*/} in
+    transformers-* | huggingface_hub-*) [[ ${NEW_TRANSFORMERS:-0} == 1 ]] && wheels+=("$wheel") ;;
+    *) wheels+=("$wheel") ;;
+  esac
+done
+if ((${#wheels[@]})); then
+  $PYTHON -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "${wheels[@]}" || exit 1
   export PYTHONPATH=/tmp/site:$ROOT/src
 else
   echo "no wheels in $WHEELS: using the installed liger-kernel"
@@ -49,7 +64,7 @@ from importlib import metadata
 import torch
 
 print("python", sys.version.split()[0])
-for name in ("torch", "transformers", "triton", "liger-kernel"):
+for name in ("torch", "transformers", "huggingface-hub", "triton", "liger-kernel"):
     print(name, metadata.version(name))
 print("cuda device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 EOF
@@ -122,7 +137,11 @@ for step in "$@"; do
     bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;
     bench-dspine-step) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part step --name dspine_step ;;
     bench-dspine-accuracy) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part accuracy --name dspine_accuracy ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine*)" ;;
+    # the DeepSeek family at 2 layers of real widths (bench_family.py): family.csv / .md / .png; each model's rows
+    # replace its old ones, so the two steps fill one table (bench-family-v32 needs NEW_TRANSFORMERS=1)
+    bench-family) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v2,glm4_moe_lite ;;
+    bench-family-v32) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v32 ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine* | bench-family*)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

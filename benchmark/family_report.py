@@ -1,0 +1,129 @@
+"""The DeepSeek-family benchmark's markdown table and plot: per model and length, each implementation's tokens/s,
+peak memory and first step, liger-dspine's ratios to hf and liger, its loss against hf's, and the issue's goals.
+
+Usage: python benchmark/family_report.py benchmark/data/family.csv [--plot benchmark/data/family.png]
+"""
+
+import argparse
+import sys
+
+from family_configs import FAMILY
+from report import _fmt
+from report import _header_lines
+from report import _ratio
+from report import read_rows
+
+IMPLS = ("hf", "liger", "liger-dspine")
+# Goals: liger-dspine at >= 1.15x native tokens/s; <= 0.9x liger-kernel's peak at the longer length; first step <= 15 s
+SPEED_GOAL, PEAK_GOAL, FIRST_STEP_GOAL_S = 1.15, 0.9, 15.0
+
+
+def family_markdown(rows: list[dict]) -> str:
+    steps = [r for r in rows if r.get("kind") == "throughput"]
+    header = ["model", "seq"] + [f"{i} tok/s" for i in IMPLS] + ["dspine/hf speed", "dspine/liger speed"]
+    header += [f"{i} peak GiB" for i in IMPLS] + ["dspine/hf peak", "dspine/liger peak"]
+    header += [f"{i} first step s" for i in IMPLS] + ["loss dspine-hf"]
+    lines = _header_lines(header)
+    notes = []
+    for model in [m for m in FAMILY if any(r.get("model") == m for r in steps)]:
+        mine = [r for r in steps if r.get("model") == model]
+        skipped = [r for r in mine if r.get("impl") == "-"]
+        if skipped:
+            notes.append(f"{model}: {skipped[0]['status']}")
+            continue
+        for seq in sorted({r["seq"] for r in mine}):
+            by_impl = {r["impl"]: r for r in mine if r["seq"] == seq}
+            ok = {i: r for i, r in by_impl.items() if r.get("status") == "ok"}
+            hf, liger, dspine = (ok.get(i) for i in IMPLS)
+            cells = [f"{model} ({FAMILY[model][0]})", str(seq)]
+            cells += [_value(by_impl.get(i), "tokens_per_s", thousands=True) for i in IMPLS]
+            cells += [_ratio(dspine and dspine["tokens_per_s"], b and b["tokens_per_s"]) for b in (hf, liger)]
+            cells += [_value(by_impl.get(i), "peak_gib") for i in IMPLS]
+            cells += [_ratio(dspine and dspine["peak_gib"], b and b["peak_gib"]) for b in (hf, liger)]
+            cells += [_value(by_impl.get(i), "first_step_s", digits=1) for i in IMPLS]
+            cells.append(f"{dspine['loss'] - hf['loss']:+.2e}" if dspine and hf and _has(dspine, hf) else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        notes.append(f"{model} goals: {_goals(mine)}")
+    failed = [r for r in steps if r.get("impl") != "-" and r.get("status") not in ("ok", None)]
+    notes += [f"{r['model']} {r['impl']} {r['seq']}: {r['status']}" for r in failed]
+    table = "\n".join(lines) if len(lines) > 2 else ""
+    return "\n\n".join(part for part in (table, "\n".join(f"- {n}" for n in notes)) if part) + "\n"
+
+
+def _goals(rows: list[dict]) -> str:
+    ok = {(r["impl"], r["seq"]): r for r in rows if r.get("status") == "ok"}
+    dspine = {seq: r for (impl, seq), r in ok.items() if impl == "liger-dspine"}
+    if not dspine:
+        return "no liger-dspine row"
+    speeds = [r["tokens_per_s"] / ok[("hf", s)]["tokens_per_s"] for s, r in dspine.items() if ("hf", s) in ok]
+    parts = [f"speed >= {SPEED_GOAL}x hf: " + (_yes(min(speeds) >= SPEED_GOAL) if speeds else "no hf row")]
+    longest = max(dspine)
+    liger = ok.get(("liger", longest))
+    if liger and dspine[longest]["peak_gib"] and liger["peak_gib"]:
+        ratio = dspine[longest]["peak_gib"] / liger["peak_gib"]
+        parts.append(f"peak <= {PEAK_GOAL}x liger at {longest}: {_yes(ratio <= PEAK_GOAL)} ({ratio:.2f}x)")
+    first = max(r["first_step_s"] for r in dspine.values())
+    parts.append(f"first step <= {FIRST_STEP_GOAL_S:.0f} s: {_yes(first <= FIRST_STEP_GOAL_S)} ({first:.1f} s)")
+    return "; ".join(parts)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def _has(*rows) -> bool:
+    return all(r.get("loss") is not None for r in rows)
+
+
+def _value(row, key: str, digits: int = 2, thousands: bool = False) -> str:
+    if row is None:
+        return "-"
+    if row.get("status") != "ok":
+        return row["status"].split(":")[0]
+    return _fmt(row.get(key), digits, thousands)
+
+
+def family_plot(rows: list[dict], path: str) -> str | None:
+    """Grouped bars per (model, length): tokens/s and peak memory per implementation."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {(r["model"], r["seq"], r["impl"]): r for r in rows if r.get("kind") == "throughput" and r["status"] == "ok"}
+    groups = sorted({(m, s) for m, s, _ in ok}, key=lambda g: (list(FAMILY).index(g[0]), g[1]))
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(IMPLS)
+    colors = {"hf": "tab:gray", "liger": "tab:blue", "liger-dspine": "tab:red"}
+    for ax, (key, label) in zip(axes, (("tokens_per_s", "tokens / s"), ("peak_gib", "peak memory (GiB)"))):
+        for n, impl in enumerate(IMPLS):
+            xs = [g + (n - 1) * width for g, (m, s) in enumerate(groups) if (m, s, impl) in ok]
+            ys = [ok[(m, s, impl)][key] or 0 for m, s in groups if (m, s, impl) in ok]
+            ax.bar(xs, ys, width, label=impl, color=colors[impl])
+        ax.set_xticks(range(len(groups)), [f"{FAMILY[m][0]}\n{s} tokens" for m, s in groups], fontsize=7)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.suptitle("DeepSeek family, 2 layers at real widths: training step (batch 1)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="+")
+    parser.add_argument("--plot", help="also write the plot to this PNG path")
+    args = parser.parse_args(argv)
+    rows = read_rows(args.csv)
+    print(family_markdown(rows))
+    if args.plot:
+        print(family_plot(rows, args.plot) or "matplotlib is missing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

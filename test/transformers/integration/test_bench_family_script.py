@@ -1,0 +1,51 @@
+"""``benchmark/bench_family.py --tiny``: the DeepSeek-family benchmark's plumbing on CPU. DeepSeek-V2 runs through
+all three implementations (one process each); a second run adds GLM-4.7-Flash's liger-kernel row (no patch there: no
+process) and DeepSeek-V3.2 (skipped with its reason while liger-dspine or transformers lacks it) to the same CSV."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmark" / "bench_family.py"
+
+
+def _run(out, *extra):
+    command = [sys.executable, str(SCRIPT), "--tiny", "--lengths", "4096", "--warmup", "1", "--steps", "1"]
+    command += ["--out-dir", str(out), "--no-plots", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_family")
+    _run(out, "--models", "deepseek_v2")
+    _run(out, "--models", "glm4_moe_lite,deepseek_v32", "--impls", "liger")
+    with open(out / "tiny_family.csv") as f:
+        rows = list(csv.DictReader(f))
+    return rows, (out / "tiny_family.md").read_text()
+
+
+def test_deepseek_v2_through_every_implementation(tiny_run):
+    rows, _ = tiny_run
+    steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v2"}
+    assert sorted(steps) == ["hf", "liger", "liger-dspine"]
+    for impl, row in steps.items():
+        assert row["status"] == "ok", (impl, row["status"])
+        assert (row["layers"], row["seq"]) == ("2", "16"), impl  # --tiny maps 4096 tokens onto 16
+        assert float(row["tokens_per_s"]) > 0 and float(row["first_step_s"]) > 0, impl
+    losses = [float(row["loss"]) for row in steps.values()]
+    assert max(losses) - min(losses) < 1e-4, losses  # same model and batch: the three losses agree
+
+
+def test_second_run_keeps_the_first_runs_rows_and_says_why_not(tiny_run):
+    rows, report = tiny_run
+    glm = [row for row in rows if row["model"] == "glm4_moe_lite"]
+    assert [row["status"] for row in glm] == ["unsupported: liger-kernel has no patch for this model"]
+    v32 = [row for row in rows if row["model"] == "deepseek_v32"]
+    assert len(v32) == 1 and v32[0]["status"].startswith(("skipped: ", "unsupported: ")), v32
+    assert "| deepseek_v2 (DeepSeek-V2-Lite-like) | 16 |" in report
+    assert "dspine/hf speed" in report and "dspine/liger peak" in report and "deepseek_v2 goals:" in report
