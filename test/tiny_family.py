@@ -71,6 +71,16 @@ MISTRAL4_ROPE = dict(
 )
 
 
+KIMI_VISION = dict(
+    hidden_size=16,
+    intermediate_size=16,
+    num_attention_heads=2,
+    num_hidden_layers=1,
+    pos_emb_height=4,
+    pos_emb_width=4,
+)
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     model_type: str
@@ -81,6 +91,13 @@ class FamilyCase:
     moe: bool = True
     extra: dict = field(default_factory=dict)
     forwards: str = "liger_dspine.modules.causal_lm_forward"  # the module of the loss forwards the spec binds
+    # a multimodal model whose text model comes from another modeling module (Kimi K2.5: DeepSeek-V3's)
+    causal_lm: str = ""  # default <prefix>ForCausalLM
+    base: str = ""  # the class an instance patch needs; default <prefix>PreTrainedModel
+    text_modeling: str = ""  # the modeling module of the text model's classes, when not the model's own
+    decoder: str = "model"  # the path of the decoder (its .layers) in the causal LM
+    liger_modules: tuple[str, ...] = ()  # where the Liger<Native> classes live; default models/<type>/modules.py
+    native_kept: tuple[str, ...] = ()  # classes named like a swapped kind that no Liger module computes
 
     def lce_forward(self):
         return getattr(importlib.import_module(self.forwards), "lce_forward")
@@ -88,6 +105,30 @@ class FamilyCase:
     @property
     def modeling_name(self) -> str:
         return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+
+    @property
+    def modeling_names(self) -> tuple[str, ...]:
+        """Every modeling module whose classes the patch replaces: the model's own first."""
+        return (self.modeling_name, self.text_modeling) if self.text_modeling else (self.modeling_name,)
+
+    @property
+    def causal_lm_name(self) -> str:
+        return self.causal_lm or f"{self.prefix}ForCausalLM"
+
+    @property
+    def base_name(self) -> str:
+        return self.base or f"{self.prefix}PreTrainedModel"
+
+    @property
+    def liger_module_names(self) -> tuple[str, ...]:
+        return self.liger_modules or (f"liger_dspine.models.{self.model_type}.modules",)
+
+    def decoder_of(self, model):
+        return model.get_submodule(self.decoder)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config().get_text_config(decoder=True).vocab_size
 
     def modeling_or_skip(self):
         try:
@@ -106,7 +147,7 @@ class FamilyCase:
     def build(self, seed: int = 0, **overrides):
         modeling = self.modeling_or_skip()
         torch.manual_seed(seed)
-        model = getattr(modeling, f"{self.prefix}ForCausalLM")(self.config(**overrides)).float()
+        model = getattr(modeling, self.causal_lm_name)(self.config(**overrides)).float()
         with torch.no_grad():  # a non-zero router bias makes the group choice depend on it
             for module in model.modules():
                 if hasattr(module, "e_score_correction_bias"):
@@ -182,6 +223,25 @@ CASES = {
             _swapped("MiniCPM3"),
             moe=False,
             forwards="liger_dspine.models.minicpm3.forward",
+        ),
+        # multimodal: DeepSeek-V3's text model under a vision tower (kept native, GELU MLPs); text-only batches
+        FamilyCase(
+            "kimi_k25",
+            "DeepseekV3",
+            {
+                "text_config": {**COMMON, **MLA, **MOE, "first_k_dense_replace": 1},
+                "vision_config": KIMI_VISION,
+                "projection_hidden_size": KIMI_VISION["hidden_size"],
+                "tie_word_embeddings": False,
+            },
+            _case("kimi_k25", "DeepseekV3", {}).swapped[:-1] + ("Kimi_K25ForConditionalGeneration.forward",),
+            forwards="liger_dspine.models.kimi_k25.forward",
+            causal_lm="Kimi_K25ForConditionalGeneration",
+            base="Kimi_K25PreTrainedModel",
+            text_modeling="transformers.models.deepseek_v3.modeling_deepseek_v3",
+            decoder="model.language_model",
+            liger_modules=("liger_dspine.models.deepseek_v3.attention", "liger_dspine.models.deepseek_v3.router"),
+            native_kept=("Kimi_K25VisionMLP",),
         ),
         # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
         # scale, which past position 4 differs from 1 here

@@ -26,6 +26,8 @@ from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe  #
 from liger_dspine.models.glm4_moe.apply import revert_liger_kernel_to_glm4_moe  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import revert_liger_kernel_to_glm4_moe_lite  # noqa: E402
+from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25  # noqa: E402
+from liger_dspine.models.kimi_k25.apply import revert_liger_kernel_to_kimi_k25  # noqa: E402
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3  # noqa: E402
 from liger_dspine.models.minicpm3.apply import revert_liger_kernel_to_minicpm3  # noqa: E402
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4  # noqa: E402
@@ -51,6 +53,7 @@ __all__ = [
     "apply_liger_kernel_to_glm4_moe",
     "apply_liger_kernel_to_glm4_moe_lite",
     "apply_liger_kernel_to_instance",
+    "apply_liger_kernel_to_kimi_k25",
     "apply_liger_kernel_to_minicpm3",
     "apply_liger_kernel_to_mistral4",
     "apply_liger_kernel_to_youtu",
@@ -63,6 +66,7 @@ __all__ = [
     "revert_liger_kernel_to_dspine",
     "revert_liger_kernel_to_glm4_moe",
     "revert_liger_kernel_to_glm4_moe_lite",
+    "revert_liger_kernel_to_kimi_k25",
     "revert_liger_kernel_to_minicpm3",
     "revert_liger_kernel_to_mistral4",
     "revert_liger_kernel_to_youtu",

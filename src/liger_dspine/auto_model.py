@@ -17,8 +17,9 @@ def _apply_patch_for(config, kwargs: dict) -> dict:
 
 
 def causal_lm_class(config):
-    """``AutoModelForCausalLM``, or the model's own ``*ForCausalLM`` class where transformers' auto mapping has none
-    for this config (``mistral4``, whose checkpoints load as a multimodal model, has a text-only causal LM)."""
+    """``AutoModelForCausalLM``, or the model's own causal LM where transformers' auto mapping has none for this
+    config: its ``*ForCausalLM`` class (``mistral4``, whose checkpoints load as a multimodal model, has a text-only
+    one), else its ``*ForConditionalGeneration`` class (``kimi_k25``: the multimodal model is the causal LM)."""
     from transformers import AutoModelForCausalLM
 
     if type(config) in AutoModelForCausalLM._model_mapping:
@@ -28,9 +29,11 @@ def causal_lm_class(config):
         modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except ModuleNotFoundError:
         return AutoModelForCausalLM  # its error names the model type
-    for value in vars(modeling).values():
-        if isinstance(value, type) and value.__name__.endswith("ForCausalLM") and value.config_class is type(config):
-            return value
+    classes = [value for value in vars(modeling).values() if isinstance(value, type)]
+    for suffix in ("ForCausalLM", "ForConditionalGeneration"):
+        for value in classes:
+            if value.__name__.endswith(suffix) and getattr(value, "config_class", None) is type(config):
+                return value
     return AutoModelForCausalLM
 
 
@@ -44,7 +47,8 @@ def causal_lm_from_config(config, **kwargs):
 
 class AutoLigerDSpineForCausalLM:
     """Like ``AutoModelForCausalLM``, with this package's patch applied first (class level); a model type that the
-    auto mapping lacks but whose modeling module has a causal LM (``mistral4``) is built through that class.
+    auto mapping lacks but whose modeling module has a causal LM (``mistral4``, ``kimi_k25``) is built through that
+    class.
 
     An unsupported model type is a ValueError listing the supported ones.
     """

@@ -427,8 +427,11 @@ def revert(spec: PatchSpec, model: nn.Module | None = None) -> list[str]:
 
 
 def check_modules(spec: PatchSpec, model: nn.Module) -> None:
-    """Raise ValueError naming every module of ``model`` that disagrees with ``model.config`` (``spec.checks``)."""
+    """Raise ValueError naming every module of ``model`` that disagrees with ``model.config`` (``spec.checks``); a
+    multimodal model's modules are checked against its text config."""
     config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
     problems = []
     module = importlib.import_module(spec.module)
     for check in spec.checks:

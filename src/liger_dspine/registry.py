@@ -9,6 +9,7 @@ from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
 from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite
+from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu
@@ -24,6 +25,8 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "dots1": apply_liger_kernel_to_dots1,
     "glm4_moe": apply_liger_kernel_to_glm4_moe,
     "glm4_moe_lite": apply_liger_kernel_to_glm4_moe_lite,
+    # a multimodal model whose text model is DeepSeek-V3's (keyed by the top-level config's model type)
+    "kimi_k25": apply_liger_kernel_to_kimi_k25,
     # its config builds DeepseekV3ForCausalLM (transformers has no modeling file for it)
     "sarvam_mla": apply_liger_kernel_to_deepseek_v3,
     "youtu": apply_liger_kernel_to_youtu,

@@ -47,11 +47,21 @@ class LigerCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     token_accuracy: torch.Tensor | None = None
 
 
-def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str, head_input=None):
+def _loss_forward(
+    name: str,
+    fused: bool,
+    vocab_chunked: bool,
+    doc: str,
+    head_input=None,
+    output_class=LigerCausalLMOutputWithPast,
+    vocab_size=None,
+):
     """A ``ForCausalLM.forward`` replacement whose loss path is fixed by ``fused`` / ``vocab_chunked``.
 
     ``head_input(model, last_hidden_state)``: what the model feeds its ``lm_head`` (MiniCPM3 scales it down), before
     the positions are selected, as the native forward does; None: the last hidden state itself.
+    ``output_class``: the native output class extended with ``token_accuracy`` (the last field).
+    ``vocab_size(model)``: the vocabulary the native loss is given; None: ``config.vocab_size``.
     """
 
     def forward(
@@ -83,6 +93,8 @@ def _loss_forward(name: str, fused: bool, vocab_chunked: bool, doc: str, head_in
             fused=fused,
             vocab_chunked=vocab_chunked,
             head_input=head_input,
+            output_class=output_class,
+            vocab_size=vocab_size,
             **kwargs,
         )
 
@@ -126,6 +138,8 @@ def _causal_lm_forward(
     fused,
     vocab_chunked=False,
     head_input=None,
+    output_class=LigerCausalLMOutputWithPast,
+    vocab_size=None,
     **kwargs,
 ):
     return_dict = kwargs.pop("return_dict", None)
@@ -175,20 +189,20 @@ def _causal_lm_forward(
                     logits=logits,
                     labels=labels,
                     shift_labels=None if shift_labels is None else shift_labels.contiguous(),  # the loss views it
-                    vocab_size=self.config.vocab_size,
+                    vocab_size=self.config.vocab_size if vocab_size is None else vocab_size(self),
                     **{**kwargs, "num_items_in_batch": divisor},  # sum / divisor
                 )
             else:
                 loss = _liger_ce(logits, targets, divisor)
 
-    output = LigerCausalLMOutputWithPast(loss=loss, logits=logits, token_accuracy=token_accuracy)
+    output = output_class(loss=loss, logits=logits, token_accuracy=token_accuracy)
     for f in fields(output):
         if f.name not in ("loss", "logits", "token_accuracy") and f.name in outputs:
             setattr(output, f.name, outputs[f.name])
     return output if return_dict else _to_tuple(output)
 
 
-def _to_tuple(output: LigerCausalLMOutputWithPast) -> tuple:
+def _to_tuple(output) -> tuple:
     """``to_tuple()`` that keeps the logits slot when logits are None; token_accuracy is the last field."""
     return tuple(
         getattr(output, f.name) for f in fields(output) if f.name == "logits" or getattr(output, f.name) is not None

@@ -2,6 +2,7 @@
 at instance and class level, applying again, revert, state-dict keys. One tiny model per type (tiny_family.py)."""
 
 import copy
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -40,8 +41,9 @@ def liger_type(case, native_name: str) -> type:
         return LigerSwiGLUMLP
     if native_name.endswith(("Experts", "NaiveMoe")):
         return LigerGroupedExperts
-    module = sys.modules[f"liger_dspine.models.{case.model_type}.modules"]
-    return getattr(module, f"Liger{native_name}")
+    modules = [importlib.import_module(name) for name in case.liger_module_names]
+    (found,) = [getattr(m, f"Liger{native_name}") for m in modules if hasattr(m, f"Liger{native_name}")]
+    return found
 
 
 def experts_alias(native_name: str) -> str:
@@ -73,6 +75,21 @@ def changed(before: dict, modeling) -> list[str]:
     return sorted(n for n in names if before.get(n, missing) is not after.get(n, missing))
 
 
+def modelings(case) -> list:
+    """The modeling modules whose classes the patch replaces (a multimodal model's text modeling module too)."""
+    case.modeling_or_skip()
+    return [importlib.import_module(name) for name in case.modeling_names]
+
+
+def snapshot_all(case) -> dict:
+    return {modeling.__name__: snapshot(modeling) for modeling in modelings(case)}
+
+
+def changed_all(before: dict, case) -> list[str]:
+    """The changed globals and class attributes of every modeling module of ``case``, as ``module.name``."""
+    return sorted(f"{m.__name__}.{name}" for m in modelings(case) for name in changed(before[m.__name__], m))
+
+
 @pytest.fixture(params=sorted(CASES))
 def case(request):
     case = CASES[request.param]
@@ -84,22 +101,27 @@ def case(request):
 def class_level(case):
     """Revert the class-level patch afterwards and check that every global of the modeling module is back."""
     modeling = case.modeling_or_skip()
-    before = snapshot(modeling)
+    before = snapshot_all(case)
     yield modeling
     case.revert_fn()()
-    assert changed(before, modeling) == []
+    assert changed_all(before, case) == []
 
 
 def test_spec_lists_every_class_with_a_liger_counterpart(case):
     """The spec replaces the listed classes, and the modeling file has no other class of a kind that has a Liger
     module (RMSNorm, SwiGLU MLP, batched experts, top-k router, MLA attention, the causal LM's loss)."""
     assert swapped_class_names(spec_of(case)) == list(case.swapped)
-    modeling = case.modeling_or_skip()
     kinds = ("RMSNorm", "MLP", "Experts", "NaiveMoe", "TopkRouter")
-    own = [v for v in vars(modeling).values() if isinstance(v, type) and v.__module__ == modeling.__name__]
+    own = [
+        v
+        for modeling in modelings(case)
+        for v in vars(modeling).values()
+        if isinstance(v, type) and v.__module__ == modeling.__name__ and v.__name__ not in case.native_kept
+    ]
     # the experts class is <prefix>NaiveMoe before transformers 5.9: the spec names it second
     candidates = {cls.__name__.replace("NaiveMoe", "Experts") for cls in own if cls.__name__.endswith(kinds)}
-    mla = {cls.__name__ for cls in own if "kv_a_proj_with_mqa" in inspect.getsource(cls.__init__)}
+    modules = [cls for cls in own if issubclass(cls, torch.nn.Module)]  # not the output dataclasses
+    mla = {cls.__name__ for cls in modules if "kv_a_proj_with_mqa" in inspect.getsource(cls.__init__)}
     assert candidates | mla <= set(case.swapped)
     assert bool(mla) is case.mla
 
@@ -108,8 +130,7 @@ def test_instance_patch_converts_every_listed_module(case):
     model = case.build()
     native_types = {name: type(m) for name, m in model.named_modules()}
     keys = list(model.state_dict())
-    modeling = case.modeling_or_skip()
-    before = snapshot(modeling)
+    before = snapshot_all(case)
 
     report = case.apply_fn()(model=model)
 
@@ -123,25 +144,27 @@ def test_instance_patch_converts_every_listed_module(case):
     assert all(patched_types[n] is t for n, t in native_types.items() if n not in expected and n in patched_types)
     assert model.forward.__func__ is case.lce_forward()
     assert list(model.state_dict()) == keys
-    assert changed(before, modeling) == []  # an instance patch leaves transformers' classes alone
-    assert {r.target for r in report} == expected_targets(case, modeling, "{} modules", "{} of the instance")
+    assert changed_all(before, case) == []  # an instance patch leaves transformers' classes alone
+    assert {r.target for r in report} == expected_targets(case, "{name} modules", "{name} of the instance")
     # applying again changes nothing
     again = case.apply_fn()(model=model)
     assert all(r.already for r in again) and len(again) == len(report)
 
 
-def expected_targets(case, modeling, class_target: str, method_target: str) -> set[str]:
-    """Report targets of a default patch: the listed classes and methods this transformers version defines."""
+def expected_targets(case, class_target: str, method_target: str) -> set[str]:
+    """Report targets of a default patch: the listed classes and methods this transformers version defines, each
+    formatted with its ``name`` and the ``module`` defining it."""
     targets = set()
     for name in case.swapped:
         owner, _, method = name.partition(".")
-        if not method:
-            experts = (name, name.replace("Experts", "NaiveMoe"))
-            found = [n for n in experts if n in vars(modeling)]
-            if found:  # a router class absent where the MoE block routes (DeepSeek-V2 before transformers 5.17)
-                targets.add(class_target.format(found[0]))
-        elif method in vars(getattr(modeling, owner)):
-            targets.add(method_target.format(name))
+        for modeling in modelings(case):
+            if not method:
+                experts = (name, name.replace("Experts", "NaiveMoe"))
+                found = [n for n in experts if n in vars(modeling)]
+                if found:  # a router class absent where the MoE block routes (DeepSeek-V2 before transformers 5.17)
+                    targets.add(class_target.format(name=found[0], module=modeling.__name__))
+            elif owner in vars(modeling) and method in vars(getattr(modeling, owner)):
+                targets.add(method_target.format(name=name, module=modeling.__name__))
     return targets
 
 
@@ -172,7 +195,7 @@ def assert_steps_close(patched, native) -> None:
 
 def batches(case):
     generator = torch.Generator().manual_seed(7)
-    vocab = case.config_values["vocab_size"]
+    vocab = case.vocab_size
     return [torch.randint(0, vocab, (2, 8), generator=generator) for _ in range(STEPS)]
 
 
@@ -192,7 +215,7 @@ def test_class_patch_builds_the_models_own_modules_and_trains_as_native(case, cl
     native_built = {t for t in types if experts_alias(t.__name__) in case.swapped}
     assert not native_built, "a native module was built under the class patch"
     if case.mla:  # the attention's q/kv norms are built by the model's own __init__, under its own norm swap
-        attention = patched.model.layers[0].self_attn
+        attention = case.decoder_of(patched).layers[0].self_attn
         assert type(attention) is liger_type(case, f"{case.prefix}Attention")
         assert type(attention.kv_a_layernorm) is LigerRMSNorm
     assert_steps_close(train(patched, batches(case)), train(native, batches(case)))
@@ -212,11 +235,11 @@ def test_latest_call_and_revert_on_an_instance(case):
 
 
 def test_class_patch_rebinds_exactly_the_listed_globals(case, class_level):
-    before = snapshot(class_level)
+    before = snapshot_all(case)
     report = case.apply_fn()()
-    targets = expected_targets(case, class_level, f"{class_level.__name__}.{{}}", f"{class_level.__name__}.{{}}")
+    targets = expected_targets(case, "{module}.{name}", "{module}.{name}")
     assert {r.target for r in report} == targets
-    assert {f"{class_level.__name__}.{name}" for name in changed(before, class_level)} == targets
+    assert set(changed_all(before, case)) == targets
     assert all(r.already for r in case.apply_fn()())
 
 
@@ -224,7 +247,7 @@ def test_an_instance_of_another_model_is_refused(case):
     from tiny_models import build_model
     from tiny_models import tiny_deepseek_v3_config
 
-    with pytest.raises(TypeError, match=f"liger-dspine: the {case.model_type} patch needs a {case.prefix}"):
+    with pytest.raises(TypeError, match=f"liger-dspine: the {case.model_type} patch needs a {case.base_name}"):
         case.apply_fn()(model=build_model(tiny_deepseek_v3_config()))
 
 
@@ -251,7 +274,7 @@ def test_auto_model_patches_the_classes_then_builds(case, class_level):
     types = {type(m) for m in model.modules()}
     assert LigerRMSNorm in types and LigerSwiGLUMLP in types
     assert not {t for t in types if t.__name__ in case.swapped}
-    assert type(model).forward is getattr(class_level, f"{case.prefix}ForCausalLM").forward  # the loss stays native
+    assert type(model).forward is getattr(class_level, case.causal_lm_name).forward  # the loss stays native
     assert type(model).forward.__module__ == class_level.__name__
 
 
@@ -263,4 +286,4 @@ def test_inspect_reports_the_swaps_of_a_saved_config(case, capsys, tmp_path):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"liger-dspine patch for {case.model_type} (instance level):"
     targets = {line.split(" x")[0].strip() for line in lines[1:]}
-    assert targets == expected_targets(case, case.modeling_or_skip(), "{} modules", "{} of the instance")
+    assert targets == expected_targets(case, "{name} modules", "{name} of the instance")

@@ -74,6 +74,7 @@ OURS = [
     "dspine",
     "glm4_moe",
     "glm4_moe_lite",
+    "kimi_k25",
     "minicpm3",
     "mistral4",
     "sarvam_mla",

@@ -146,16 +146,20 @@ def revert_liger_kernel_to_deepseek_v3(model=None) -> list[str]:
 
 
 def require_modeling_module(spec: patching.PatchSpec) -> None:
-    """An ImportError naming the model type when this transformers version has no modeling module for it."""
-    try:
-        importlib.import_module(spec.module)
-    except ModuleNotFoundError as error:
-        if not spec.module.startswith(str(error.name)):
-            raise
-        raise ImportError(
-            f"liger-dspine: transformers {transformers_version()} has no {spec.model_type} model ({spec.module}); "
-            "upgrade transformers to patch it"
-        ) from None
+    """An ImportError naming the model type when this transformers version lacks a modeling module the spec names
+    (its own, or that of a swap or base class), before anything is patched."""
+    names = [spec.module, *(swap.module for swap in spec.swaps if swap.module)]
+    names += [path.partition(":")[0] for path in spec.base_classes]
+    for name in dict.fromkeys(names):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if not name.startswith(str(error.name)):
+                raise
+            raise ImportError(
+                f"liger-dspine: transformers {transformers_version()} has no {spec.model_type} model ({name}); "
+                "upgrade transformers to patch it"
+            ) from None
 
 
 def transformers_version() -> str:

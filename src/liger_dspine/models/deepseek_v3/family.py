@@ -56,6 +56,7 @@ def v3_like_spec(
     causal_lm: str | None = None,
     causal_lm_module: str | None = None,
     base_class: str | None = None,
+    forwards: str = CAUSAL_LM_FORWARDS,
 ) -> PatchSpec:
     """DeepSeek-V3's swaps for the classes ``<prefix>RMSNorm``, ``<prefix>MLP``, ... of ``modeling``.
 
@@ -67,6 +68,7 @@ def v3_like_spec(
         causal_lm: the class whose ``forward`` the loss options replace (``<prefix>ForCausalLM`` by default), in
             ``causal_lm_module`` (``modeling`` by default).
         base_class: ``"module:Class"`` an instance patch accepts (``<prefix>PreTrainedModel`` of ``modeling``).
+        forwards: the module defining ``lce_forward``, ``lce_forward_vocab_chunked`` and ``ce_forward``.
     """
     swaps = [
         ClassSwap("rms_norm", (f"{prefix}RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
@@ -98,7 +100,7 @@ def v3_like_spec(
         ]
     owner = causal_lm or f"{prefix}ForCausalLM"
     swaps += [
-        MethodSwap(option, owner, "forward", f"{CAUSAL_LM_FORWARDS}:{forward}", module=causal_lm_module)
+        MethodSwap(option, owner, "forward", f"{forwards}:{forward}", module=causal_lm_module)
         for option, forward in LOSS_FORWARDS
     ]
     return PatchSpec(
