@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | bench-family | bench-family-v32
+#         | profile-dspine | bench-family | bench-family-v32 | bench-capture
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -137,11 +137,13 @@ for step in "$@"; do
     bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;
     bench-dspine-step) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part step --name dspine_step ;;
     bench-dspine-accuracy) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part accuracy --name dspine_accuracy ;;
+    # DSpine target capture against output_hidden_states=True: DeepSeek-V3 widths, 2 layers, 4096 tokens
+    bench-capture) BENCH_SCRIPT=benchmark/bench_capture.py run_bench --name capture ;;
     # the DeepSeek family at 2 layers of real widths (bench_family.py): family.csv / .md / .png; each model's rows
     # replace its old ones, so the two steps fill one table (bench-family-v32 needs NEW_TRANSFORMERS=1)
     bench-family) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v2,glm4_moe_lite ;;
     bench-family-v32) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v32 ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine* | bench-family*)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine* | bench-family* | bench-capture)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done
