@@ -71,6 +71,13 @@ MISTRAL4_ROPE = dict(
 )
 
 
+DSA = dict(
+    **{key: value for key, value in MLA.items() if key != "rope_interleave"},  # always interleaved
+    **MOE,
+    index_topk=4,
+    index_head_dim=16,
+    index_n_heads=2,
+)
 KIMI_VISION = dict(
     hidden_size=16,
     intermediate_size=16,
@@ -223,6 +230,25 @@ CASES = {
             _swapped("MiniCPM3"),
             moe=False,
             forwards="liger_dspine.models.minicpm3.forward",
+        ),
+        # DSA: the indexer keeps 4 of up to 8 keys per query, so its sparse mask changes the attention; the MLA
+        # attention with the indexer stays native
+        FamilyCase(
+            "deepseek_v32",
+            "DeepseekV32",
+            {**COMMON, **DSA, "first_k_dense_replace": 1},
+            _case("deepseek_v32", "DeepseekV32", {}, mla=False).swapped,
+            mla=False,
+            native_kept=("DeepseekV32Attention",),
+        ),
+        # as DeepSeek-V3.2; the second layer reuses the first layer's top-k ("shared" indexer type)
+        FamilyCase(
+            "glm_moe_dsa",
+            "GlmMoeDsa",
+            {**COMMON, **DSA, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "shared"]},
+            _case("glm_moe_dsa", "GlmMoeDsa", {}, mla=False).swapped,
+            mla=False,
+            native_kept=("GlmMoeDsaAttention",),
         ),
         # multimodal: DeepSeek-V3's text model under a vision tower (kept native, GELU MLPs); text-only batches
         FamilyCase(

@@ -18,6 +18,8 @@ from liger_dspine.models.deepseek_v2.apply import apply_liger_kernel_to_deepseek
 from liger_dspine.models.deepseek_v2.apply import revert_liger_kernel_to_deepseek_v2  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import revert_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine.models.deepseek_v32.apply import apply_liger_kernel_to_deepseek_v32  # noqa: E402
+from liger_dspine.models.deepseek_v32.apply import revert_liger_kernel_to_deepseek_v32  # noqa: E402
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1  # noqa: E402
 from liger_dspine.models.dots1.apply import revert_liger_kernel_to_dots1  # noqa: E402
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine  # noqa: E402
@@ -26,6 +28,8 @@ from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe  #
 from liger_dspine.models.glm4_moe.apply import revert_liger_kernel_to_glm4_moe  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import revert_liger_kernel_to_glm4_moe_lite  # noqa: E402
+from liger_dspine.models.glm_moe_dsa.apply import apply_liger_kernel_to_glm_moe_dsa  # noqa: E402
+from liger_dspine.models.glm_moe_dsa.apply import revert_liger_kernel_to_glm_moe_dsa  # noqa: E402
 from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25  # noqa: E402
 from liger_dspine.models.kimi_k25.apply import revert_liger_kernel_to_kimi_k25  # noqa: E402
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3  # noqa: E402
@@ -48,10 +52,12 @@ __all__ = [
     "apply_liger_kernel_to_axk1",
     "apply_liger_kernel_to_deepseek_v2",
     "apply_liger_kernel_to_deepseek_v3",
+    "apply_liger_kernel_to_deepseek_v32",
     "apply_liger_kernel_to_dots1",
     "apply_liger_kernel_to_dspine",
     "apply_liger_kernel_to_glm4_moe",
     "apply_liger_kernel_to_glm4_moe_lite",
+    "apply_liger_kernel_to_glm_moe_dsa",
     "apply_liger_kernel_to_instance",
     "apply_liger_kernel_to_kimi_k25",
     "apply_liger_kernel_to_minicpm3",
@@ -62,10 +68,12 @@ __all__ = [
     "revert_liger_kernel_to_axk1",
     "revert_liger_kernel_to_deepseek_v2",
     "revert_liger_kernel_to_deepseek_v3",
+    "revert_liger_kernel_to_deepseek_v32",
     "revert_liger_kernel_to_dots1",
     "revert_liger_kernel_to_dspine",
     "revert_liger_kernel_to_glm4_moe",
     "revert_liger_kernel_to_glm4_moe_lite",
+    "revert_liger_kernel_to_glm_moe_dsa",
     "revert_liger_kernel_to_kimi_k25",
     "revert_liger_kernel_to_minicpm3",
     "revert_liger_kernel_to_mistral4",

@@ -5,10 +5,12 @@ import logging
 from liger_dspine.models.axk1.apply import apply_liger_kernel_to_axk1
 from liger_dspine.models.deepseek_v2.apply import apply_liger_kernel_to_deepseek_v2
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.models.deepseek_v32.apply import apply_liger_kernel_to_deepseek_v32
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
 from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite
+from liger_dspine.models.glm_moe_dsa.apply import apply_liger_kernel_to_glm_moe_dsa
 from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4
@@ -22,9 +24,11 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "dspine": apply_liger_kernel_to_dspine,
     # models whose modeling files copy DeepSeek-V3's classes (models/deepseek_v3/family.py)
     "axk1": apply_liger_kernel_to_axk1,
+    "deepseek_v32": apply_liger_kernel_to_deepseek_v32,
     "dots1": apply_liger_kernel_to_dots1,
     "glm4_moe": apply_liger_kernel_to_glm4_moe,
     "glm4_moe_lite": apply_liger_kernel_to_glm4_moe_lite,
+    "glm_moe_dsa": apply_liger_kernel_to_glm_moe_dsa,
     # a multimodal model whose text model is DeepSeek-V3's (keyed by the top-level config's model type)
     "kimi_k25": apply_liger_kernel_to_kimi_k25,
     # its config builds DeepseekV3ForCausalLM (transformers has no modeling file for it)
@@ -41,13 +45,11 @@ UNSUPPORTED_FAMILY_MEMBERS = (
     "axk2",
     "bailing_hybrid",
     "beam",
-    "deepseek_v32",
     "deepseek_v4",
     "dots3_note",
     "exaone_moe",
     "glm4v_moe",
     "glm5_next",
-    "glm_moe_dsa",
     "hy_v3",
     "hy_v4",
     "kimi_linear",
@@ -85,9 +87,19 @@ def apply_liger_kernel(model_type: str, **options):
     return fn(**options)
 
 
-def model_type_of(model) -> str:
-    config = getattr(model, "config", None)
+def model_type_for_config(config) -> str | None:
+    """``config.model_type``, except for a DSpine drafter's config, which is "dspine" also in SpecForge's layout
+    (``model_type "qwen3"`` marked by ``architectures ["DSpineDraftModel"]`` or a ``dspine_config``); a plain Qwen3
+    config stays "qwen3"."""
     model_type = getattr(config, "model_type", None)
+    marked = list(getattr(config, "architectures", None) or []) == ["DSpineDraftModel"]
+    if model_type in ("qwen3", None) and (marked or getattr(config, "dspine_config", None) is not None):
+        return "dspine"
+    return model_type
+
+
+def model_type_of(model) -> str:
+    model_type = model_type_for_config(getattr(model, "config", None))
     if model_type is None:
         raise ValueError(f"liger-dspine: {type(model).__name__} has no config.model_type to choose a patch by")
     return model_type

@@ -259,6 +259,16 @@ def test_gqa_models_refuse_rope(model_type):
     assert inspect.signature(apply).parameters["rope"].default is False
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_models_refuse_rope(model_type):
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    with pytest.raises(
+        ValueError, match=f"liger-dspine: the {model_type} patch leaves its MLA attention with the DSA indexer native"
+    ):
+        apply(rope=True)
+    assert inspect.signature(apply).parameters["rope"].default is False
+
+
 def test_a_model_missing_from_transformers_is_named():
     from liger_dspine.models.deepseek_v3.apply import apply_spec
 

@@ -70,10 +70,12 @@ OURS = [
     "axk1",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_v32",
     "dots1",
     "dspine",
     "glm4_moe",
     "glm4_moe_lite",
+    "glm_moe_dsa",
     "kimi_k25",
     "minicpm3",
     "mistral4",
@@ -110,7 +112,7 @@ def test_sarvam_mla_builds_a_deepseek_v3_model_that_the_table_patches():
     assert_liger_dspine_modules(model)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm4v_moe", "kimi_linear", "deepseek_v4"])
+@pytest.mark.parametrize("model_type", ["longcat_flash", "glm4v_moe", "kimi_linear", "deepseek_v4"])
 def test_unsupported_family_members_are_named_as_such(model_type):
     with pytest.raises(
         ValueError, match=f"liger-dspine: '{model_type}' is built partly from DeepSeek-V3's classes, but"

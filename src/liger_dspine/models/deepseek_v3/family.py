@@ -122,8 +122,15 @@ def swapped_class_names(spec: PatchSpec) -> list[str]:
     return names
 
 
-def refuse_rope(model_type: str) -> None:
-    raise ValueError(
-        f"liger-dspine: the {model_type} patch leaves its GQA attention native (no RoPE kernel of this package fits "
-        "it yet); pass rope=False"
+def refuse_rope(
+    model_type: str, attention: str = "GQA attention", reason: str = "no RoPE kernel of this package fits it yet"
+) -> None:
+    raise ValueError(f"liger-dspine: the {model_type} patch leaves its {attention} native ({reason}); pass rope=False")
+
+
+def refuse_dsa_rope(model_type: str) -> None:
+    refuse_rope(
+        model_type,
+        "MLA attention with the DSA indexer",
+        "the shared Liger MLA forward does not apply the indexer's sparse top-k mask",
     )

@@ -1,0 +1,52 @@
+from liger_dspine import patching
+from liger_dspine.models.deepseek_v3.apply import apply_spec
+from liger_dspine.models.deepseek_v3.apply import v3_options
+from liger_dspine.models.deepseek_v3.family import refuse_dsa_rope
+from liger_dspine.models.deepseek_v32.spec import DEEPSEEK_V32_SPEC
+
+
+def apply_liger_kernel_to_deepseek_v32(
+    rope: bool = False,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+    *,
+    moe_router: bool = True,
+    fused_experts: bool = False,
+    grouped_experts: bool = True,
+    vocab_chunked_lce: bool = False,
+) -> patching.PatchReport:
+    """Swap the modules of DeepSeek-V3.2 (``deepseek_v32``) for Liger kernels; liger-kernel's parameter order.
+
+    The options mean what they mean for ``apply_liger_kernel_to_deepseek_v3`` (its modules are copies of
+    DeepSeek-V3's): ``DeepseekV32RMSNorm`` -> ``LigerRMSNorm``; ``DeepseekV32MLP`` -> ``LigerSwiGLUMLP``; the routed
+    experts -> ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``DeepseekV32TopkRouter`` ->
+    ``LigerDeepseekV32TopkRouter``; ``DeepseekV32ForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
+
+    Its MLA attention and DSA indexer stay native (see ``models/deepseek_v32/spec.py``), so ``rope``, kept for
+    liger-kernel's parameter order, must be False.
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    if rope:
+        refuse_dsa_rope("deepseek_v32")
+    options = v3_options(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        moe_router=moe_router,
+        fused_experts=fused_experts,
+        grouped_experts=grouped_experts,
+        vocab_chunked_lce=vocab_chunked_lce,
+    )
+    return apply_spec(DEEPSEEK_V32_SPEC, options, model)
+
+
+def revert_liger_kernel_to_deepseek_v32(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_deepseek_v32``: the classes without a model, else that instance."""
+    return patching.revert(DEEPSEEK_V32_SPEC, model)
