@@ -5,12 +5,13 @@ import inspect
 
 from liger_dspine.registry import apply_fn_for
 from liger_dspine.registry import apply_liger_kernel
+from liger_dspine.registry import model_type_for_config
 
 
 def _apply_patch_for(config, kwargs: dict) -> dict:
-    """Apply the patch of ``config.model_type`` with the kwargs that are its parameters; return the others
-    (``dtype``, ``device_map``, ...) for transformers."""
-    model_type = getattr(config, "model_type", None)
+    """Apply the patch of the config's model type (``model_type_for_config``) with the kwargs that are its
+    parameters; return the others (``dtype``, ``device_map``, ...) for transformers."""
+    model_type = model_type_for_config(config)
     params = set(inspect.signature(apply_fn_for(model_type)).parameters) - {"model"}
     apply_liger_kernel(model_type, **{k: v for k, v in kwargs.items() if k in params})
     return {k: v for k, v in kwargs.items() if k not in params}
@@ -50,19 +51,36 @@ class AutoLigerDSpineForCausalLM:
     auto mapping lacks but whose modeling module has a causal LM (``mistral4``, ``kimi_k25``) is built through that
     class.
 
-    An unsupported model type is a ValueError listing the supported ones.
+    A DSpine drafter (SpecForge's layout or the older ``model_type "dspine"``, recognised by its architecture and
+    ``dspine_config`` before its model type) loads as ``DSpineDraftModel``. An unsupported model type is a
+    ValueError listing the supported ones.
     """
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         from transformers import AutoConfig
         from transformers import AutoModelForCausalLM
+        from transformers import PretrainedConfig
+
+        from liger_dspine.models.dspine.configuration import DSpineDraftConfig
+        from liger_dspine.models.dspine.configuration import is_dspine_config_dict
 
         config = kwargs.get("config")
         if config is None:
             hub_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token") if k in kwargs}
-            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            config_dict, _ = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **hub_kwargs)
+            if is_dspine_config_dict(config_dict):  # either layout; SpecForge's says model_type "qwen3"
+                config = DSpineDraftConfig.from_dict(config_dict)
+            else:
+                config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
         rest = _apply_patch_for(config, kwargs)
+        if model_type_for_config(config) == "dspine":
+            from liger_dspine.models.dspine.modeling import DSpineDraftModel
+
+            config = config if isinstance(config, DSpineDraftConfig) else DSpineDraftConfig.from_dict(config.to_dict())
+            return DSpineDraftModel.from_pretrained(
+                pretrained_model_name_or_path, *model_args, **{**rest, "config": config}
+            )
         model_class = causal_lm_class(config)
         if model_class is AutoModelForCausalLM:
             return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **rest)
@@ -70,4 +88,9 @@ class AutoLigerDSpineForCausalLM:
 
     @classmethod
     def from_config(cls, config, **kwargs):
-        return causal_lm_from_config(config, **_apply_patch_for(config, kwargs))
+        rest = _apply_patch_for(config, kwargs)
+        if model_type_for_config(config) == "dspine":
+            from liger_dspine.models.dspine.modeling import DSpineDraftModel
+
+            return DSpineDraftModel(config, **rest)
+        return causal_lm_from_config(config, **rest)

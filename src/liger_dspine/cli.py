@@ -1,4 +1,4 @@
-"""Command line: ``liger-dspine demo`` and ``liger-dspine inspect CONFIG``."""
+"""Command line: ``liger-dspine demo``, ``liger-dspine inspect CONFIG`` and ``liger-dspine convert SOURCE [DEST]``."""
 
 import argparse
 import os
@@ -20,7 +20,16 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     inspect = sub.add_parser("inspect", help="print what the patch replaces for a model config")
     inspect.add_argument("config", help="a config.json, a checkpoint folder, or a model type such as deepseek_v3")
+    convert = sub.add_parser(
+        "convert",
+        help='write a DSpine drafter folder of the older model_type "dspine" layout in SpecForge\'s, then check it',
+    )
+    convert.add_argument("source", help="a DSpine checkpoint folder")
+    convert.add_argument("destination", nargs="?", help="the folder to write (new or empty)")
+    convert.add_argument("--check", action="store_true", help="only check SOURCE: config, weight keys and shapes")
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return _convert(args.source, args.destination, args.check)
 
     _setup_device(args.cpu_interpreter)
     if args.command == "demo":
@@ -41,6 +50,22 @@ def _setup_device(force_interpreter: bool) -> None:
         from liger_dspine import enable_cpu_interpreter
 
         enable_cpu_interpreter()
+
+
+def _convert(source: str, destination: str | None, check_only: bool) -> int:
+    from liger_dspine.models.dspine.checkpoint import check_checkpoint
+    from liger_dspine.models.dspine.checkpoint import convert_checkpoint
+
+    if not check_only and destination is None:
+        print("liger-dspine: convert needs a destination folder (or --check to only check SOURCE)", file=sys.stderr)
+        return 2
+    try:
+        report = check_checkpoint(source) if check_only else convert_checkpoint(source, destination)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.ok else 1
 
 
 def _inspect(config_arg: str) -> int:

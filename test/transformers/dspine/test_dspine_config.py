@@ -116,7 +116,7 @@ def test_saved_config_lists_every_option_and_round_trips(tmp_path):
     config = tiny_draft_config(dspine_config={"transfer_rank": 8, "message_size": 4, "top_k": 3, "ce_weight": 0.25})
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["model_type"] == "dspine"
+    assert saved["model_type"] == "qwen3" and saved["auto_map"] == {"AutoModel": "dspine.DSpineDraftModel"}
     assert saved["architectures"] == ["DSpineDraftModel"]
     assert sorted(saved["dspine_config"]) == sorted(DSpineConfig().to_dict())
     assert saved["dspine_config"]["ce_weight"] == 0.25

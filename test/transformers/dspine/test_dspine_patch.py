@@ -308,7 +308,7 @@ def test_save_pretrained_reloads_native(tmp_path, target):
     apply_liger_kernel_to_dspine(model=patched)
     patched.save_pretrained(tmp_path)
     assert "liger" not in (tmp_path / "config.json").read_text().lower()
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "dspine"
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["DSpineDraftModel"]
     reloaded = DSpineDraftModel.from_pretrained(tmp_path)
     assert_native(reloaded)
     for key, value in patched.state_dict().items():

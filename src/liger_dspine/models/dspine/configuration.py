@@ -3,13 +3,15 @@
 Two objects:
 - :class:`DSpineConfig`: the frozen dataclass of the DSpine options (stored as the plain dict ``dspine_config``),
   with :meth:`DSpineConfig.validate` and the training :meth:`DSpineConfig.schedule`.
-- :class:`DSpineDraftConfig`: a Qwen3 configuration (``model_type: "dspine"``) carrying the DFlash-family fields
-  (``block_size``, ``num_target_layers``, ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids``,
-  ``is_causal``) and ``dspine_config``. It also loads SpecForge-style files: ``model_type: "qwen3"`` with
-  ``architectures: ["DSpineDraftModel"]`` and/or a ``dspine_config`` entry. A plain Qwen3 config is refused.
+- :class:`DSpineDraftConfig`: a Qwen3 configuration (``model_type: "dspine"`` in memory) carrying the DFlash-family
+  fields (``block_size``, ``num_target_layers``, ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids``,
+  ``is_causal``) and ``dspine_config``. It saves SpecForge's layout (``model_type: "qwen3"``,
+  ``architectures: ["DSpineDraftModel"]``, ``auto_map``) and loads it, as well as this package's older
+  ``model_type: "dspine"`` files. A plain Qwen3 config is refused.
 """
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -250,6 +252,12 @@ class DSpineDraftConfig(Qwen3Config):
         return DSpineConfig.from_dict(self.dspine_config)
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Load either layout; a SpecForge file's ``model_type "qwen3"`` is expected here, not a mismatch."""
+        config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return cls.from_dict(config_dict, **kwargs)
+
+    @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         if not is_dspine_config_dict(config_dict):
             raise ValueError(
@@ -263,8 +271,22 @@ class DSpineDraftConfig(Qwen3Config):
 
     def to_specforge_dict(self) -> dict[str, Any]:
         """The SpecForge form of this config: ``model_type "qwen3"`` with the DSpine architecture and auto_map."""
-        config_dict = self.to_dict()
-        config_dict["model_type"] = "qwen3"
-        config_dict["architectures"] = [DRAFT_ARCHITECTURE]
-        config_dict["auto_map"] = {"AutoModel": f"dspine.{DRAFT_ARCHITECTURE}"}
-        return config_dict
+        return {**self.to_dict(), **SPECFORGE_IDENTITY}
+
+    def to_json_file(self, json_file_path, use_diff: bool = True):
+        """Write the config in SpecForge's layout (what ``save_pretrained`` writes): ``model_type "qwen3"``,
+        ``architectures ["DSpineDraftModel"]``, its ``auto_map``, and the complete ``dflash_config`` and
+        ``dspine_config``."""
+        config_dict = self.to_diff_dict() if use_diff else self.to_dict()
+        config_dict.update(SPECFORGE_IDENTITY, dflash_config=self.dflash_config, dspine_config=self.dspine_config)
+        config_dict.update(block_size=self.block_size)
+        with open(json_file_path, "w", encoding="utf-8") as writer:
+            writer.write(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+
+
+# What makes a Qwen3 config a DSpine drafter's for SpecForge: its provider resolves the class from ``architectures``.
+SPECFORGE_IDENTITY = {
+    "model_type": "qwen3",
+    "architectures": [DRAFT_ARCHITECTURE],
+    "auto_map": {"AutoModel": f"dspine.{DRAFT_ARCHITECTURE}"},
+}
