@@ -22,6 +22,10 @@ derivative, the routing-weight products and the sums over the K slots of a token
 its weighted expert outputs in the (fp32) routing-weight dtype. The K slots of a token are summed by gathers in a
 fixed order (no atomics), so forward and backward are deterministic.
 
+With ``limit`` (DeepSeek-V4's ``swiglu_limit``) gate and up are clamped before the SiLU-mul, as transformers'
+``DeepseekV4Experts`` clamps them: ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``; no gradient flows
+through a clamped value.
+
 Expert ids must lie in [0, E) (no expert-parallel sentinels); the CPU loop checks it, CUDA does not (a host sync).
 """
 
@@ -145,27 +149,42 @@ def _row_pieces(rows: int):
     return [(start, min(start + _ELEMENTWISE_ROWS, rows)) for start in range(0, rows, _ELEMENTWISE_ROWS)]
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 (gate = first I columns)."""
+def silu_mul(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 (gate = first I columns); with
+    ``limit``, of the clamped gate and up."""
     act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     for start, end in _row_pieces(gate_up.shape[0]):
         gate, up = gate_up[start:end].chunk(2, dim=-1)
-        act[start:end] = F.silu(gate.to(wide(gate.dtype))).mul_(up)
+        if limit is None:
+            act[start:end] = F.silu(gate.to(wide(gate.dtype))).mul_(up)
+        else:
+            gate, up = gate.to(wide(gate.dtype)).clamp(max=limit), up.to(wide(up.dtype)).clamp(-limit, limit)
+            act[start:end] = F.silu(gate).mul_(up)
     return act
 
 
-def silu_mul_backward(gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor) -> torch.Tensor:
+def silu_mul_backward(
+    gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor, limit: float | None = None
+) -> torch.Tensor:
     """d(silu(gate) * up) / d(gate, up) applied to d act = ``weight_of_row`` [S, 1] * ``g`` [S, I], in fp32:
-    [S, 2I] in gate_up's dtype."""
+    [S, 2I] in gate_up's dtype; with ``limit``, through the clamps (zero where a value was clamped)."""
     d_gate_up = torch.empty_like(gate_up)
     half = gate_up.shape[1] // 2
     for start, end in _row_pieces(gate_up.shape[0]):
         gate, up = gate_up[start:end].to(wide(gate_up.dtype)).chunk(2, dim=-1)  # read only (may be the saved one)
         d_act = g[start:end].to(wide(g.dtype)) * weight_of_row[start:end]
+        if limit is not None:
+            gate_passes, up_passes = gate <= limit, (up >= -limit) & (up <= limit)
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         sig = torch.sigmoid(gate)
-        d_gate_up[start:end, half:] = d_act * gate * sig
+        d_up = d_act * gate * sig
         silu_grad = (1.0 - sig).mul_(gate).add_(1.0).mul_(sig)  # silu'(x) = sig(x) * (1 + x * (1 - sig(x)))
-        d_gate_up[start:end, :half] = d_act.mul_(up).mul_(silu_grad)
+        d_gate = d_act.mul_(up).mul_(silu_grad)
+        if limit is not None:
+            d_up.masked_fill_(~up_passes, 0.0)
+            d_gate.masked_fill_(~gate_passes, 0.0)
+        d_gate_up[start:end, half:] = d_up
+        d_gate_up[start:end, :half] = d_gate
     return d_gate_up
 
 
@@ -219,7 +238,7 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
     )
 
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, limit=None):
         dtype = gemm_dtype(hidden_states, gate_up_proj, "grouped experts")
         if down_proj.dtype != gate_up_proj.dtype:
             raise ValueError(
@@ -227,18 +246,18 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
                 f"down_proj is {down_proj.dtype}"
             )
         out, perm, row_of_slot, offsets, gate_up = _grouped_experts(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit
         )
         saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
         ctx.save_for_backward(*saved)
-        ctx.gemm_dtype = dtype
+        ctx.gemm_dtype, ctx.limit = dtype, limit
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows a single unpack
-        need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad
-        args = (grad_out, *saved, ctx.gemm_dtype, need_x, need_weights, need_gate_up, need_down)
+        need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]
+        args = (grad_out, *saved, ctx.gemm_dtype, need_x, need_weights, need_gate_up, need_down, ctx.limit)
         # Eager: the fused backward writes d gate_up over the saved gate_up output (its version is bumped, so a second
         # backward fails loudly). Compiled: a new buffer, as functionalisation would make one anyway.
         if torch.compiler.is_compiling():
@@ -248,7 +267,7 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
         grad_x, grad_weights, grad_gate_up, grad_down = (
             grad if need else None for grad, need in zip(grads, (need_x, need_weights, need_gate_up, need_down))
         )
-        return grad_x, None, grad_weights, grad_gate_up, grad_down
+        return grad_x, None, grad_weights, grad_gate_up, grad_down, None
 
 
 def _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype):
@@ -272,6 +291,7 @@ def _grouped_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     dtype: torch.dtype,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward: (out [T, H], perm [S], row_of_slot [S], offsets [E] int32, gate_up [S, 2I]); the last four are
     what the backward needs."""
@@ -294,7 +314,7 @@ def _grouped_experts(
         x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
         gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
         del x_sorted
-        act = silu_mul_rows(gate_up) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up)  # [S, I]
+        act = silu_mul_rows(gate_up, limit) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up, limit)
         y = groups.rows_mm(act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
         del act
         slot_weights = top_k_weights.to(wide(top_k_weights.dtype))
@@ -303,23 +323,23 @@ def _grouped_experts(
 
 
 @_grouped_experts.register_fake
-def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype):
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit=None):
     return _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
 
 
 class _BackwardContext:
     """What the backward helpers read: the input-gradient flags, the expert groups and the GEMM dtype."""
 
-    def __init__(self, needs_input_grad, groups, gemm_dtype):
-        self.needs_input_grad, self.groups, self.gemm_dtype = needs_input_grad, groups, gemm_dtype
+    def __init__(self, needs_input_grad, groups, gemm_dtype, limit):
+        self.needs_input_grad, self.groups, self.gemm_dtype, self.limit = needs_input_grad, groups, gemm_dtype, limit
 
 
 def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up,
-              dtype, need_x, need_weights, need_gate_up, need_down, in_place):  # fmt: skip
+              dtype, need_x, need_weights, need_gate_up, need_down, limit, in_place):  # fmt: skip
     """(grad_x, grad_weights, grad_gate_up, grad_down), each None when not needed. ``in_place``: the fused path
     may write d gate_up over ``gate_up``."""
     groups = ExpertGroups(offsets, use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype))
-    ctx = _BackwardContext((need_x, False, need_weights, need_gate_up, need_down), groups, dtype)
+    ctx = _BackwardContext((need_x, False, need_weights, need_gate_up, need_down), groups, dtype, limit)
     saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
     grad_x = grad_weights = grad_gate_up = grad_down = None
     num_tokens, top_k = top_k_weights.shape
@@ -331,7 +351,7 @@ def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, p
         fused = (need_x or need_weights or need_gate_up) and weight_of_row.dtype == torch.float32
         if fused and silu_mul_rows_supported(gate_up):
             return _fused_backward(ctx, saved, grad_out, weight_of_row, in_place)
-        act = silu_mul(gate_up) if need_down or need_weights else None  # [S, I], bit for bit as in forward
+        act = silu_mul(gate_up, limit) if need_down or need_weights else None  # [S, I], bit for bit as in forward
         grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
         if need_down:
             # d down_proj[e] = sum over its rows of (w * grad_out)^T act = grad_out^T (w * act)
@@ -350,7 +370,7 @@ def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, p
         if not (need_x or need_gate_up):
             return None, grad_weights, None, grad_down
 
-        d_gate_up = silu_mul_backward(gate_up, g, weight_of_row)  # [S, 2I], from d act = w * g
+        d_gate_up = silu_mul_backward(gate_up, g, weight_of_row, limit)  # [S, 2I], from d act = w * g
         del g
         grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
         del d_gate_up
@@ -365,7 +385,7 @@ def _backward_outputs(grads, like: torch.Tensor):
 
 
 def _backward_fake(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets,
-                   gate_up, dtype, need_x, need_weights, need_gate_up, need_down):  # fmt: skip
+                   gate_up, dtype, need_x, need_weights, need_gate_up, need_down, limit=None):  # fmt: skip
     shapes = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     needs = (need_x, need_weights, need_gate_up, need_down)
     return tuple(
@@ -390,10 +410,11 @@ def _grouped_experts_backward(
     need_weights: bool,
     need_gate_up: bool,
     need_down: bool,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weights, grad_gate_up, grad_down); an empty [0] tensor for each one not needed."""
     args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
-    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, in_place=False)
+    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, in_place=False)
     return _backward_outputs(grads, hidden_states)
 
 
@@ -413,10 +434,11 @@ def _grouped_experts_backward_(
     need_weights: bool,
     need_gate_up: bool,
     need_down: bool,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_grouped_experts_backward` that may write d gate_up over the saved ``gate_up``."""
     args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
-    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, in_place=True)
+    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, in_place=True)
     return _backward_outputs(grads, hidden_states)
 
 
@@ -437,7 +459,7 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row, in_place):
     grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
     g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
     d_gate_up, dots, scaled = silu_mul_rows_backward(
-        gate_up, g, weight_of_row, row_dot=need_weights, scaled_act=need_down, in_place=in_place
+        gate_up, g, weight_of_row, row_dot=need_weights, scaled_act=need_down, in_place=in_place, limit=ctx.limit
     )
     del g
     if need_down:
@@ -474,7 +496,10 @@ def liger_grouped_experts(
     top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: hidden_states [T, H], top_k_index [T, K] (ids in [0, E)), top_k_weights [T, K],
-    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [T, H]."""
-    return LigerGroupedExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [T, H]; ``limit`` clamps gate and up (module
+    docstring)."""
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    return LigerGroupedExpertsFunction.apply(*args, None if limit is None else float(limit))

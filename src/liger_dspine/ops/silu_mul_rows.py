@@ -14,6 +14,15 @@ runs in fp32 on values read once in the storage dtype, with the formulas of :mod
                dots[s] = sum_i g * act  (fp32)     the routing-weight gradient, when asked
                scaled  = w * act        (dtype)    the rows the down projection's weight gradient reads, when asked
 
+With a ``limit`` (DeepSeek-V4's ``swiglu_limit``) the SwiGLU is clamped first, as transformers clamps it:
+
+    gate_c = min(gate, limit)            up_c = min(max(up, -limit), limit)
+    act    = silu(gate_c) * up_c         and the backward above on gate_c / up_c, with d_gate = 0 where
+                                         gate > limit and d_up = 0 where |up| > limit (torch's clamp passes the
+                                         gradient on the bounds themselves)
+
+Without a limit the clamp is compiled out (a constexpr), and the kernels are the unclamped ones.
+
 One program per row walks the I columns in blocks: each step reads its gate and up columns before writing their
 gradients, so the backward may write ``d_gate_up`` over ``gate_up`` itself. Row offsets are int64 (S * 2I may pass
 2**31). On GPUs the exponential is libdevice's and divisions round to nearest, as torch's kernels, so fp32 results
@@ -42,12 +51,28 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _clamped(gate, up, limit, CLAMP: tl.constexpr):
+    """(gate_c, up_c, gate passes gradient, up passes gradient); the inputs themselves without CLAMP."""
+    if CLAMP:
+        return (
+            tl.minimum(gate, limit),
+            tl.minimum(tl.maximum(up, -limit), limit),
+            gate <= limit,
+            (up >= -limit) & (up <= limit),
+        )
+    else:
+        return gate, up, True, True
+
+
+@triton.jit
 def _silu_mul_rows_kernel(
     gate_up_ptr,  # [S, 2I]
     act_ptr,  # [S, I] out
     half,
     gate_up_stride,
     act_stride,
+    limit,
+    CLAMP: tl.constexpr,
     PRECISE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -59,6 +84,7 @@ def _silu_mul_rows_kernel(
         mask = cols < half
         gate = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_row + half + cols, mask=mask, other=0.0).to(tl.float32)
+        gate, up, _, _ = _clamped(gate, up, limit, CLAMP)
         act = tl.math.div_rn(gate, 1.0 + _exp(-gate, PRECISE)) * up
         tl.store(act_row + cols, act.to(act_ptr.dtype.element_ty), mask=mask)
 
@@ -76,6 +102,8 @@ def _silu_mul_rows_backward_kernel(
     g_stride,
     d_gate_up_stride,
     scaled_stride,
+    limit,
+    CLAMP: tl.constexpr,
     ROW_DOT: tl.constexpr,
     SCALED_ACT: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -94,11 +122,15 @@ def _silu_mul_rows_backward_kernel(
         gate = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_row + half + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+        gate, up, gate_passes, up_passes = _clamped(gate, up, limit, CLAMP)
         denom = 1.0 + _exp(-gate, PRECISE)
         sig = tl.math.div_rn(1.0, denom)
         d_act = weight * g
         d_up = d_act * gate * sig
         d_gate = d_act * up * (((1.0 - sig) * gate + 1.0) * sig)
+        if CLAMP:
+            d_up = tl.where(up_passes, d_up, 0.0)
+            d_gate = tl.where(gate_passes, d_gate, 0.0)
         tl.store(d_row + cols, d_gate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
         tl.store(d_row + half + cols, d_up.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
         if ROW_DOT or SCALED_ACT:
@@ -115,10 +147,17 @@ def _silu_mul_rows_backward_kernel(
 _INTERPRETED = is_interpreted(_silu_mul_rows_kernel)  # the kernels above, decorated under Triton's CPU interpreter
 
 
-def _launch_options(half: int) -> dict:
+def _launch_options(half: int, limit: float | None) -> dict:
     block = min(triton.next_power_of_2(max(half, 1)), _MAX_BLOCK)
     # separate products and sums, as torch's eager kernels
-    return dict(PRECISE=not _INTERPRETED, BLOCK=block, num_warps=8 if block >= 2048 else 4, enable_fp_fusion=False)
+    return dict(
+        limit=0.0 if limit is None else float(limit),
+        CLAMP=limit is not None,
+        PRECISE=not _INTERPRETED,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+        enable_fp_fusion=False,
+    )
 
 
 def silu_mul_rows_supported(gate_up: torch.Tensor) -> bool:
@@ -142,23 +181,25 @@ def _check(gate_up: torch.Tensor, what: str) -> None:
         )
 
 
-def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
-    """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 and rounded once."""
+def silu_mul_rows(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[S, 2I] -> silu(gate) * up [S, I] in gate_up's dtype, computed in fp32 and rounded once; with ``limit``,
+    of the clamped gate and up (module docstring)."""
     _check(gate_up, "SiLU-mul rows")
-    return _silu_mul_rows(gate_up)
+    return _silu_mul_rows(gate_up, limit)
 
 
 @torch.library.custom_op("liger_dspine::silu_mul_rows", mutates_args=())
-def _silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+def _silu_mul_rows(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     act = gate_up.new_empty(rows, half)
     if rows and half:
-        _silu_mul_rows_kernel[(rows,)](gate_up, act, half, gate_up.stride(0), act.stride(0), **_launch_options(half))
+        options = _launch_options(half, limit)
+        _silu_mul_rows_kernel[(rows,)](gate_up, act, half, gate_up.stride(0), act.stride(0), **options)
     return act
 
 
 @_silu_mul_rows.register_fake
-def _(gate_up):
+def _(gate_up, limit=None):
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
@@ -170,8 +211,10 @@ def silu_mul_rows_backward(
     row_dot: bool,
     scaled_act: bool,
     in_place: bool,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Gradient of ``silu(gate) * up`` for d act = ``weight_of_row`` [S] (or [S, 1]) * ``g`` [S, I].
+    """Gradient of ``silu(gate) * up`` (of the clamped gate and up with ``limit``) for d act = ``weight_of_row``
+    [S] (or [S, 1]) * ``g`` [S, I].
 
     Returns ``(d_gate_up [S, 2I], dots [S] fp32 or None, scaled [S, I] or None)``, d_gate_up and scaled in
     gate_up's dtype: ``dots[s] = <g[s], act[s]>`` when ``row_dot``, ``scaled = weight_of_row * act`` when
@@ -186,10 +229,10 @@ def silu_mul_rows_backward(
     g = g if g.stride(-1) == 1 else g.contiguous()
     weight_of_row = weight_of_row.reshape(-1).contiguous()
     if in_place:
-        dots, scaled = _silu_mul_rows_backward_(gate_up, g, weight_of_row, row_dot, scaled_act)
+        dots, scaled = _silu_mul_rows_backward_(gate_up, g, weight_of_row, row_dot, scaled_act, limit)
         d_gate_up = gate_up
     else:
-        d_gate_up, dots, scaled = _silu_mul_rows_backward(gate_up, g, weight_of_row, row_dot, scaled_act)
+        d_gate_up, dots, scaled = _silu_mul_rows_backward(gate_up, g, weight_of_row, row_dot, scaled_act, limit)
     return d_gate_up, dots if row_dot else None, scaled if scaled_act else None
 
 
@@ -202,7 +245,9 @@ def _backward_outputs(gate_up: torch.Tensor, row_dot: bool, scaled_act: bool):
     return dots, scaled
 
 
-def _launch_backward(gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot: bool, scaled_act: bool) -> None:
+def _launch_backward(
+    gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot: bool, scaled_act: bool, limit
+) -> None:
     rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     if rows and half:
         _silu_mul_rows_backward_kernel[(rows,)](
@@ -219,23 +264,28 @@ def _launch_backward(gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot
             scaled.stride(0) if scaled_act else 0,
             ROW_DOT=row_dot,
             SCALED_ACT=scaled_act,
-            **_launch_options(half),
+            **_launch_options(half, limit),
         )
 
 
 @torch.library.custom_op("liger_dspine::silu_mul_rows_backward", mutates_args=())
 def _silu_mul_rows_backward(
-    gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor, row_dot: bool, scaled_act: bool
+    gate_up: torch.Tensor,
+    g: torch.Tensor,
+    weight_of_row: torch.Tensor,
+    row_dot: bool,
+    scaled_act: bool,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_gate_up, dots, scaled), d_gate_up in a new buffer; dots / scaled empty when not asked for."""
     d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
     dots, scaled = _backward_outputs(gate_up, row_dot, scaled_act)
-    _launch_backward(gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot, scaled_act)
+    _launch_backward(gate_up, g, weight_of_row, d_gate_up, dots, scaled, row_dot, scaled_act, limit)
     return d_gate_up, dots, scaled
 
 
 @_silu_mul_rows_backward.register_fake
-def _(gate_up, g, weight_of_row, row_dot, scaled_act):
+def _(gate_up, g, weight_of_row, row_dot, scaled_act, limit=None):
     return torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device), *_backward_outputs(
         gate_up, row_dot, scaled_act
     )
@@ -243,14 +293,19 @@ def _(gate_up, g, weight_of_row, row_dot, scaled_act):
 
 @torch.library.custom_op("liger_dspine::silu_mul_rows_backward_", mutates_args=("gate_up",))
 def _silu_mul_rows_backward_(
-    gate_up: torch.Tensor, g: torch.Tensor, weight_of_row: torch.Tensor, row_dot: bool, scaled_act: bool
+    gate_up: torch.Tensor,
+    g: torch.Tensor,
+    weight_of_row: torch.Tensor,
+    row_dot: bool,
+    scaled_act: bool,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same with d_gate_up written over gate_up (its version is bumped); returns (dots, scaled)."""
     dots, scaled = _backward_outputs(gate_up, row_dot, scaled_act)
-    _launch_backward(gate_up, g, weight_of_row, gate_up, dots, scaled, row_dot, scaled_act)
+    _launch_backward(gate_up, g, weight_of_row, gate_up, dots, scaled, row_dot, scaled_act, limit)
     return dots, scaled
 
 
 @_silu_mul_rows_backward_.register_fake
-def _(gate_up, g, weight_of_row, row_dot, scaled_act):
+def _(gate_up, g, weight_of_row, row_dot, scaled_act, limit=None):
     return _backward_outputs(gate_up, row_dot, scaled_act)

@@ -130,6 +130,25 @@ def case_silu_mul_rows():
     return (act, *fresh, dots, gate_up), []
 
 
+def case_clamped_silu_mul_rows():
+    gate_up, g, w = 3 * randn(5, 12), randn(5, 6), randn(5)
+    act = silu_mul_rows.silu_mul_rows(gate_up, 1.5)
+    fresh = silu_mul_rows.silu_mul_rows_backward(
+        gate_up, g, w, row_dot=True, scaled_act=True, in_place=False, limit=1.5
+    )
+    _, _, scaled = silu_mul_rows.silu_mul_rows_backward(
+        gate_up, g, w, row_dot=False, scaled_act=True, in_place=True, limit=1.5
+    )
+    return (act, *fresh, scaled, gate_up), []
+
+
+def case_clamped_grouped_experts():
+    hidden, weights = randn(4, 8, grad=True), randn(4, 2, grad=True)
+    gate_up, down = randn(3, 12, 8, grad=True), randn(3, 8, 6, grad=True)
+    out = grouped_experts.liger_grouped_experts(hidden, randint(3, 4, 2), weights, gate_up, down, limit=1.5)
+    return out, [hidden, weights, gate_up, down]
+
+
 def case_slot_sum():
     return slot_sum.slot_sum(randn(6, 5), randint(6, 3, 2), randn(3, 2), torch.float16), []
 
@@ -216,6 +235,8 @@ CASES = {
     case_router_logits: (),
     case_grouped_experts: ("grouped_experts", "grouped_experts_backward_"),
     case_silu_mul_rows: ("silu_mul_rows", "silu_mul_rows_backward", "silu_mul_rows_backward_"),
+    case_clamped_silu_mul_rows: ("silu_mul_rows", "silu_mul_rows_backward", "silu_mul_rows_backward_"),
+    case_clamped_grouped_experts: ("grouped_experts", "grouped_experts_backward_"),
     case_slot_sum: ("slot_sum",),
     case_swiglu_down: ("silu_mul", "silu_mul_backward_"),
     case_silu_mul: ("silu_mul", "silu_mul_backward_"),
