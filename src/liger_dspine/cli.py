@@ -1,4 +1,5 @@
-"""Command line: ``liger-dspine demo``, ``liger-dspine inspect CONFIG`` and ``liger-dspine convert SOURCE [DEST]``."""
+"""Command line: ``liger-dspine demo``, ``liger-dspine inspect CONFIG``, ``liger-dspine convert SOURCE [DEST]`` and
+``liger-dspine train-drafter [...]``."""
 
 import argparse
 import os
@@ -27,6 +28,11 @@ def main(argv=None) -> int:
     convert.add_argument("source", help="a DSpine checkpoint folder")
     convert.add_argument("destination", nargs="?", help="the folder to write (new or empty)")
     convert.add_argument("--check", action="store_true", help="only check SOURCE: config, weight keys and shapes")
+    from liger_dspine.drafter_training.options import add_arguments
+
+    add_arguments(
+        sub.add_parser("train-drafter", help="train a DSpine drafter against a frozen target (SpecForge format)")
+    )
     args = parser.parse_args(argv)
     if args.command == "convert":
         return _convert(args.source, args.destination, args.check)
@@ -39,6 +45,8 @@ def main(argv=None) -> int:
         deepseek_v3 = run_demo(steps=args.steps, seed=args.seed)
         dspine = run_dspine_demo(steps=args.steps, seed=args.seed)
         return deepseek_v3 or dspine
+    if args.command == "train-drafter":
+        return _train_drafter(args)
     return _inspect(args.config)
 
 
@@ -50,6 +58,18 @@ def _setup_device(force_interpreter: bool) -> None:
         from liger_dspine import enable_cpu_interpreter
 
         enable_cpu_interpreter()
+
+
+def _train_drafter(args) -> int:
+    from liger_dspine.drafter_training import run
+
+    try:
+        return run(args)
+    except ValueError as error:
+        if not str(error).startswith("liger-dspine:"):
+            raise
+        print(error, file=sys.stderr)
+        return 2
 
 
 def _convert(source: str, destination: str | None, check_only: bool) -> int:

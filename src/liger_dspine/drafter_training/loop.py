@@ -1,0 +1,191 @@
+"""The ``train-drafter`` loop: capture on the fly, accumulation windows, AdamW, checkpoints, progress and metrics.
+
+Each optimizer step captures the frozen target's taps for every micro-batch (timed apart from the rest), runs the
+CE-only prepasses, then one window replay: one all-reduce of (sum CE, sum D), and under DDP one gradient
+all-reduce, after the last micro-batch's backward. Logged metrics are rank 0's.
+"""
+
+import contextlib
+import csv
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from liger_dspine.drafter_training import data
+from liger_dspine.drafter_training import setup
+from liger_dspine.drafter_training import state
+from liger_dspine.models.dspine.accumulation import DSpineAccumulationWindow
+from liger_dspine.models.dspine.capture import TargetCapture
+
+logger = logging.getLogger(__name__)
+METRICS = ("step", "loss", "accuracy", "candidate_coverage", "lr", "tokens_per_s", "step_s", "capture_s", "peak_gib")
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    """Linear warm-up over ``warmup`` steps, then cosine or linear decay to 0 at ``total`` (or constant)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+
+    return factor
+
+
+def ddp_sync_context(ddp):
+    """Gradients all-reduced only in the last micro-batch's backward of a window."""
+    return lambda is_last: contextlib.nullcontext() if is_last or ddp is None else ddp.no_sync()
+
+
+def drafter_step(window, capture, micro_batches, step, total_steps, sync_context=None, sync=lambda: None) -> dict:
+    """Prepass every micro-batch (captured here), replay the window; returns the summed metrics and capture time."""
+    capture_s = 0.0
+    for micro in micro_batches:
+        sync()
+        start = time.perf_counter()
+        batch = capture(**micro)
+        sync()
+        capture_s += time.perf_counter() - start
+        window.prepass(batch, global_step=step, total_steps=total_steps)
+    outputs = window.replay(sync_context=sync_context)
+    numerator = sum(float(o.loss_terms[0].detach()) for o in outputs)
+    denominator = sum(float(o.loss_terms[1]) for o in outputs)
+    count = sum(float(o.accuracy_denom) for o in outputs)
+    correct = sum(float(o.accuracy.detach()) * float(o.accuracy_denom) for o in outputs)
+    covered = sum(float(o.ratio_metrics["dspine/candidate_coverage"][0]) for o in outputs)
+    return {
+        "loss": numerator / max(denominator, 1.0),
+        "accuracy": correct / max(count, 1.0),
+        "candidate_coverage": covered / max(count, 1.0),
+        "capture_s": capture_s,
+    }
+
+
+def _distributed_device():
+    """(device, rank, world size); under torchrun the process group starts here (NCCL on CUDA, else gloo)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), rank, world
+    return torch.device("cpu"), rank, world
+
+
+def _rows(args, target):
+    if args.dataset is None:
+        return data.embedded_text_rows(args.seq_len)
+    tokenizer = None
+    if args.tokenizer or args.target:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    return data.pack_rows(data.read_documents(args.dataset, tokenizer), args.seq_len, pad)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="step", disable=not enabled, desc="train-drafter")
+
+
+def train_drafter(args, stop_after: int | None = None) -> list[dict]:
+    """Run (or resume) training as ``args`` (resolved by ``options.resolve``) says; returns this run's step metrics.
+
+    ``stop_after``: stop once that many optimizer steps are done overall, as an interrupted run would.
+    """
+    device, rank, world = _distributed_device()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target = setup.build_target(args, device, dtype)
+    objective = setup.build_objective(args, target, device, dtype)
+    draft = objective.draft_model
+    capture = TargetCapture(target, draft.target_layer_ids)
+    stream = data.RowStream(_rows(args, target), args.seed)
+
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.steps, args.schedule))
+    step, position = 0, 0
+    resume_from = state.latest_checkpoint(args.output_dir) if args.resume else None
+    if args.resume and resume_from is None:
+        logger.warning("liger-dspine: no checkpoint in %s: starting afresh", args.output_dir)
+    if resume_from:
+        step, position = state.load_checkpoint(resume_from, draft, optimizer, scheduler)
+        logger.info("resumed from %s (step %d)", resume_from, step)
+
+    ddp = None
+    if dist.is_initialized():
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids, broadcast_buffers=False)
+    window = DSpineAccumulationWindow(ddp or objective, args.accumulation_steps)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows_per_step = args.accumulation_steps * world * args.batch_size
+    end = min(args.steps, stop_after) if stop_after is not None else args.steps
+    progress = _progress(args.steps, step, rank == 0)
+    history = []
+    while step < end:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        start = time.perf_counter()
+        micro_batches = []
+        for k in range(args.accumulation_steps):
+            first = position + (k * world + rank) * args.batch_size
+            micro_batches.append({key: v.to(device) for key, v in stream.batch(first, args.batch_size).items()})
+        metrics = drafter_step(window, capture, micro_batches, step, args.steps, ddp_sync_context(ddp), sync)
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), args.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        step_s = time.perf_counter() - start
+        step, position = step + 1, position + rows_per_step
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        tokens = rows_per_step * args.seq_len
+        metrics = {"step": step, **metrics, "lr": lr, "tokens_per_s": tokens / step_s, "step_s": step_s}
+        metrics["peak_gib"] = peak
+        history.append(metrics)
+        _report(metrics, progress, rank, args.metrics_csv)
+        if step == args.steps or (args.save_every and step % args.save_every == 0):
+            folder = state.save_checkpoint(args.output_dir, draft, optimizer, scheduler, step, position)
+            if rank == 0:
+                logger.info("saved %s", folder)
+    if progress is not None:
+        progress.close()
+    return history
+
+
+def _report(metrics: dict, progress, rank: int, metrics_csv: str | None) -> None:
+    if rank != 0:
+        return
+    line = (
+        f"loss {metrics['loss']:.4f} acc {metrics['accuracy']:.3f} cover {metrics['candidate_coverage']:.3f} "
+        f"{metrics['tokens_per_s']:.0f} tok/s"
+    )
+    if progress is not None:
+        progress.set_postfix_str(line, refresh=False)
+        progress.update(1)
+    else:
+        logger.info("step %d: %s", metrics["step"], line)
+    if metrics_csv:
+        new = not os.path.exists(metrics_csv)
+        with open(metrics_csv, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=METRICS)
+            if new:
+                writer.writeheader()
+            writer.writerow({key: metrics[key] for key in METRICS})

@@ -1,0 +1,145 @@
+"""Arguments of ``liger-dspine train-drafter``, the ``--tiny`` preset and their checks."""
+
+import argparse
+import os
+
+# A CPU-sized run: the demo's tiny DeepSeek-V3 target (hidden 64, byte vocabulary) and a 2-layer drafter.
+TINY = dict(
+    target_config="tiny",
+    seq_len=32,
+    batch_size=2,
+    num_anchors=8,
+    steps=40,
+    lr=3e-3,
+    block_size=4,
+    drafter_heads=2,
+    drafter_kv_heads=1,
+    drafter_head_dim=32,
+    drafter_intermediate_size=128,
+    transfer_rank=16,
+    message_size=8,
+    top_k=4,
+    target_layer_ids="0,1",
+    dtype="float32",
+)
+# Defaults of a full-size run (where --tiny does not set them).
+DEFAULTS = dict(
+    seq_len=2048,
+    batch_size=1,
+    num_anchors=512,
+    steps=1000,
+    lr=6e-4,
+    block_size=16,
+    transfer_rank=1024,
+    message_size=512,
+    top_k=16,
+    dtype="auto",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("target (frozen)")
+    target.add_argument("--target", help="a causal LM checkpoint folder")
+    target.add_argument(
+        "--target-config", help="random weights from a config: 'tiny' (the demo's DeepSeek-V3) or a config.json"
+    )
+    target.add_argument("--target-layers", type=int, help="override num_hidden_layers of --target-config")
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--dataset",
+        help="JSONL: a list of token ids, {'input_ids': [...], 'loss_mask': [...]} or {'messages': [...]} (needs "
+        "--tokenizer) per line; default: the embedded demo text, as bytes",
+    )
+    data.add_argument("--tokenizer", help="tokenizer folder for chat messages (default: --target)")
+    data.add_argument("--seq-len", type=int, help="tokens per packed row")
+    data.add_argument("--batch-size", type=int, help="rows per micro-batch and rank")
+    drafter = parser.add_argument_group("drafter")
+    drafter.add_argument("--drafter-config", help="a DSpine drafter config.json (SpecForge's layout); else the sizes")
+    drafter.add_argument("--drafter-layers", type=int, default=2)
+    drafter.add_argument("--block-size", type=int)
+    drafter.add_argument("--drafter-heads", type=int)
+    drafter.add_argument("--drafter-kv-heads", type=int)
+    drafter.add_argument("--drafter-head-dim", type=int)
+    drafter.add_argument("--drafter-intermediate-size", type=int)
+    drafter.add_argument("--transfer-rank", type=int)
+    drafter.add_argument("--message-size", type=int)
+    drafter.add_argument("--top-k", type=int)
+    drafter.add_argument("--target-layer-ids", help="comma-separated target layers to tap, e.g. 0,1,2,3")
+    drafter.add_argument("--mask-token-id", type=int)
+    drafter.add_argument(
+        "--alignment-warmup-steps", type=int, default=0, help="steps of the alignment weight's ramp (SpecForge: 146)"
+    )
+    drafter.add_argument("--num-anchors", type=int, help="blocks drawn per row at most")
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
+    optim.add_argument("--lr", type=float, help="AdamW peak learning rate")
+    optim.add_argument("--weight-decay", type=float, default=0.01)
+    optim.add_argument("--warmup-steps", type=int, default=0)
+    optim.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
+    optim.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    optim.add_argument("--steps", type=int, help="optimizer steps")
+    run = parser.add_argument_group("run")
+    run.add_argument("--output-dir", default="dspine-drafter")
+    run.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    run.add_argument(
+        "--liger", action=argparse.BooleanOptionalAction, default=True, help="Liger kernels and the fused objective"
+    )
+    run.add_argument("--tiny", action="store_true", help="a CPU-sized run (tiny target and drafter)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA, else float32")
+    run.add_argument("--metrics-csv", help="append one row of metrics per step to this CSV")
+
+
+def fail(message: str):
+    raise ValueError(f"liger-dspine: {message}")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the preset's and the defaults' values, parse the lists, and check everything that needs no model."""
+    preset = TINY if args.tiny else {}
+    for key, value in {**DEFAULTS, **preset}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.target and args.target_config:
+        fail("give --target or --target-config, not both")
+    if not args.target and not args.target_config:
+        fail("train-drafter needs a target: --target FOLDER, --target-config tiny|CONFIG.json, or --tiny")
+    if args.target and not os.path.isdir(args.target):
+        fail(f"--target {args.target!r} is not a folder")
+    if args.target_config and args.target_config != "tiny" and not os.path.isfile(args.target_config):
+        fail(f"--target-config {args.target_config!r} is neither 'tiny' nor a config file")
+    for name in ("dataset", "drafter_config"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            fail(f"--{name.replace('_', '-')} {path!r} is not a file")
+    positive = (
+        "steps",
+        "seq_len",
+        "batch_size",
+        "accumulation_steps",
+        "num_anchors",
+        "drafter_layers",
+        "target_layers",
+    )
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("save_every", "warmup_steps", "alignment_warmup_steps", "weight_decay", "max_grad_norm"):
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.lr > 0:
+        fail(f"--lr must be > 0, got {args.lr}")
+    if args.warmup_steps > args.steps:
+        fail(f"--warmup-steps {args.warmup_steps} exceeds --steps {args.steps}")
+    if args.block_size < 2:
+        fail(f"--block-size must be >= 2 (an anchor and a proposal), got {args.block_size}")
+    if args.seq_len < args.block_size:
+        fail(f"--seq-len {args.seq_len} is shorter than a block ({args.block_size})")
+    if isinstance(args.target_layer_ids, str):
+        try:
+            args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
+        except ValueError:
+            fail(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}")
+    return args

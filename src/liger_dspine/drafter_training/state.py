@@ -1,0 +1,83 @@
+"""Checkpoints of a ``train-drafter`` run: ``OUTPUT/checkpoint-STEP/`` holds the drafter in SpecForge's layout
+(``config.json`` and ``model.safetensors``, what ``save_pretrained`` writes) and ``training_state.pt``: optimizer,
+scheduler, step, data position and every rank's RNG states, so that a resumed run continues exactly."""
+
+import os
+import random
+import re
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "training_state.pt"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _gather(value):
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def save_checkpoint(output_dir: str, draft, optimizer, scheduler, step: int, position: int) -> str:
+    """Write ``checkpoint-STEP`` (rank 0 writes; every rank's RNG state goes in)."""
+    rng_states = _gather(_rng_state())
+    folder = os.path.join(output_dir, f"checkpoint-{step}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        draft.save_pretrained(folder)
+        state = {
+            "step": step,
+            "position": position,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_states,
+        }
+        torch.save(state, os.path.join(folder, STATE_FILE + ".tmp"))
+        os.replace(os.path.join(folder, STATE_FILE + ".tmp"), os.path.join(folder, STATE_FILE))
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The complete checkpoint (its training state written last) of the highest step, or None."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = [int(m.group(1)) for m in map(CHECKPOINT.match, os.listdir(output_dir)) if m]
+    for step in sorted(steps, reverse=True):
+        folder = os.path.join(output_dir, f"checkpoint-{step}")
+        if os.path.isfile(os.path.join(folder, STATE_FILE)):
+            return folder
+    return None
+
+
+def load_checkpoint(folder: str, draft, optimizer, scheduler) -> tuple[int, int]:
+    """Restore the drafter's weights, the optimizer, the scheduler and this rank's RNG; returns (step, position)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(folder, "model.safetensors"), device=str(draft.device))
+    draft.load_state_dict(weights, strict=True)
+    state = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if len(state["rng"]) != (dist.get_world_size() if dist.is_initialized() else 1):
+        raise ValueError(f"liger-dspine: {folder} was written by {len(state['rng'])} ranks; resume it with as many")
+    _set_rng_state(state["rng"][rank])
+    return state["step"], state["position"]
