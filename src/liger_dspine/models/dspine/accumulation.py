@@ -120,7 +120,8 @@ class DSpineAccumulationWindow:
 
         Args:
             backward: call ``backward()`` on each replayed loss, in order.
-            sync_context: ``is_last -> context manager`` around each backward (e.g. DDP ``no_sync``).
+            sync_context: ``is_last -> context manager`` around each replayed forward and backward (e.g. DDP
+                ``no_sync``, which must cover the forward too).
 
         Returns:
             The full-objective outputs, in prepass order.
@@ -143,17 +144,18 @@ class DSpineAccumulationWindow:
         for index, micro in enumerate(pending):
             batch = _restore(micro.batch, micro.devices)
             devices = [micro.cuda_device] if micro.cuda_device is not None else []
-            with torch.random.fork_rng(devices=devices):
-                torch.set_rng_state(micro.cpu_rng_state)
-                if micro.cuda_device is not None:
-                    torch.cuda.set_rng_state(micro.cuda_rng_state, micro.cuda_device)
-                output = self.objective(
-                    **batch, global_step=micro.global_step, total_steps=micro.total_steps, alignment_ce=alignment_ce
-                )
-            if backward:
-                is_last = index == len(pending) - 1
-                context = sync_context(is_last) if sync_context is not None else contextlib.nullcontext()
-                with context:
+            is_last = index == len(pending) - 1
+            # DDP decides in its forward whether the backward reduces: the context spans both
+            context = sync_context(is_last) if sync_context is not None and backward else contextlib.nullcontext()
+            with context:
+                with torch.random.fork_rng(devices=devices):
+                    torch.set_rng_state(micro.cpu_rng_state)
+                    if micro.cuda_device is not None:
+                        torch.cuda.set_rng_state(micro.cuda_rng_state, micro.cuda_device)
+                    output = self.objective(
+                        **batch, global_step=micro.global_step, total_steps=micro.total_steps, alignment_ce=alignment_ce
+                    )
+                if backward:
                     (output.loss_terms[0] * scale.to(output.loss_terms[0].device)).backward()
             outputs.append(output)
         return outputs
