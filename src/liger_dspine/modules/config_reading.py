@@ -27,6 +27,41 @@ def check_activation(config, what: str) -> None:
 CLAMP_FIELDS = ("swiglu_limit", "limit")
 
 
+# The clamped SwiGLUs the Liger modules reproduce: silu(gate.clamp(max=limit)) * up.clamp(-limit, limit), with
+# ``config.swiglu_limit`` of these model types, computed by these native methods (module and qualified name).
+CLAMPED_SWIGLU_MODEL_TYPES = ("deepseek_v4",)
+CLAMPED_SWIGLU_METHODS = {
+    "_apply_gate": ("transformers.models.deepseek_v4.", "DeepseekV4Experts._apply_gate"),
+    "forward": ("transformers.models.deepseek_v4.", "DeepseekV4MLP.forward"),
+}
+
+
+def _clamps_as_deepseek_v4(config, module: nn.Module | None, method: str) -> bool:
+    """Whether the only clamp fields are DeepSeek-V4's (``config.swiglu_limit``, the module's ``limit``) and the
+    module's class computes the clamp with DeepSeek-V4's own ``method``."""
+    if getattr(config, "model_type", None) not in CLAMPED_SWIGLU_MODEL_TYPES or getattr(config, "limit", None):
+        return False
+    if module is None:
+        return getattr(config, "swiglu_limit", None) is not None
+    if getattr(module, "swiglu_limit", None) is not None or getattr(module, "limit", None) is None:
+        return False
+    prefix, qualname = CLAMPED_SWIGLU_METHODS[method]
+    function = getattr(type(module), method, None)
+    return getattr(function, "__qualname__", None) == qualname and function.__module__.startswith(prefix)
+
+
+def swiglu_limit(what: str, config, module: nn.Module | None = None, method: str = "forward") -> float | None:
+    """The limit a Liger SwiGLU must clamp gate and up to, None for an unclamped one; ``check_plain_swiglu``'s
+    ValueError for anything else. A module's own ``limit`` is the one its native ``method`` uses; without a module
+    (construction) ``config.swiglu_limit``."""
+    if _clamps_as_deepseek_v4(config, module, method):
+        check_activation(config, what)
+        _check_act_fn(what, module)
+        return float(config.swiglu_limit if module is None else module.limit)
+    check_plain_swiglu(what, config, module)
+    return None
+
+
 def is_silu_module(act_fn) -> bool:
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
@@ -44,6 +79,10 @@ def check_plain_swiglu(what: str, config, module: nn.Module | None = None) -> No
                     f"liger-dspine: {what} computes silu(gate) * up without a clamp; {label} has {name}={value!r} "
                     "(a clamped SwiGLU): its numbers would change"
                 )
+    _check_act_fn(what, module)
+
+
+def _check_act_fn(what: str, module: nn.Module | None) -> None:
     act_fn = None if module is None else getattr(module, "act_fn", None)
     if act_fn is not None and not is_silu_module(act_fn):
         raise ValueError(

@@ -1,9 +1,9 @@
 import torch
 from torch import nn
 
-from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import check_silu
 from liger_dspine.modules.config_reading import expert_sizes
+from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
 
 
@@ -33,11 +33,15 @@ class LigerGroupedExperts(nn.Module):
 
     Weights as transformers' batched experts: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
     forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H].
+
+    DeepSeek-V4's clamped experts (``DeepseekV4Experts._apply_gate``, ``config.swiglu_limit``) are taken too:
+    ``limit`` (the module's own, else the config's) clamps gate and up inside the SiLU-mul kernels. Any other clamp,
+    or a subclass with a gate function of its own, is refused.
     """
 
     def __init__(self, config):
         super().__init__()
-        check_plain_swiglu("LigerGroupedExperts", config)
+        self.limit = swiglu_limit("LigerGroupedExperts", config)
         self.config = config
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
@@ -51,7 +55,7 @@ class LigerGroupedExperts(nn.Module):
         ):
             raise ValueError("liger-dspine: LigerGroupedExperts has no expert biases; this experts module has them")
         check_silu(_activation_of(module), "LigerGroupedExperts")
-        check_plain_swiglu("LigerGroupedExperts", getattr(module, "config", None), module)
+        swiglu_limit("LigerGroupedExperts", getattr(module, "config", None), module, "_apply_gate")
         for name, expected in _NATIVE_LAYOUT.items():
             value = getattr(module, name, expected)
             if value != expected:
@@ -82,4 +86,5 @@ class LigerGroupedExperts(nn.Module):
         x = hidden_states.reshape(-1, self.hidden_dim)
         index = top_k_index.reshape(-1, top_k_index.shape[-1])
         weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
-        return liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj).view(shape)
+        limit = getattr(self, "limit", None)  # a converted unclamped experts module has none
+        return liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit).view(shape)

@@ -3,8 +3,9 @@ from liger_kernel.ops import LigerSiLUMulFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
-from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import runs_plain_linear
+from liger_dspine.modules.config_reading import swiglu_limit
+from liger_dspine.ops.clamped_silu_mul import liger_clamped_silu_mul
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
 
 
@@ -17,11 +18,15 @@ class LigerSwiGLUMLP(nn.Module):
     The SiLU-mul and ``down_proj`` run as one autograd op that keeps only the gate and up projections for the
     backward, not their product (one ``[..., intermediate_size]`` activation less per MLP). A ``down_proj`` with
     a forward of its own (LoRA, quantised, hooked) runs as it is, and the product is kept as before.
+
+    DeepSeek-V4's clamped MLP (``DeepseekV4MLP``, ``config.swiglu_limit``) is taken too: ``limit`` (the module's own,
+    else the config's) clamps gate and up in the SiLU-mul kernel, ``silu(gate.clamp(max=limit)) *
+    up.clamp(-limit, limit)``, and ``down_proj`` runs on the product. Any other clamp is refused.
     """
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        check_plain_swiglu("LigerSwiGLUMLP", config)
+        self.limit = swiglu_limit("LigerSwiGLUMLP", config)
         if getattr(config, "mlp_bias", False):
             raise ValueError(
                 "liger-dspine: LigerSwiGLUMLP has no projection biases; config has mlp_bias=True (DeepSeek-V2's and "
@@ -36,7 +41,7 @@ class LigerSwiGLUMLP(nn.Module):
 
     @classmethod
     def check_convertible(cls, module: nn.Module) -> None:
-        check_plain_swiglu("LigerSwiGLUMLP", getattr(module, "config", None), module)
+        swiglu_limit("LigerSwiGLUMLP", getattr(module, "config", None), module, "forward")
         biased = [name for name in ("gate_proj", "up_proj", "down_proj") if getattr(module, name).bias is not None]
         if biased:
             raise ValueError(
@@ -52,6 +57,9 @@ class LigerSwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_kernel_device(x, "LigerSwiGLUMLP")
         gate, up = self.gate_proj(x), self.up_proj(x)
+        limit = getattr(self, "limit", None)  # a converted unclamped MLP has none
+        if limit is not None:
+            return self.down_proj(liger_clamped_silu_mul(gate, up, limit))
         if not runs_plain_linear(self.down_proj):
             return self.down_proj(LigerSiLUMulFunction.apply(gate, up))
         if self.down_proj.bias is not None:

@@ -34,16 +34,20 @@ def spec_of(case):
 
 
 def liger_type(case, native_name: str) -> type:
-    """The class a native class of ``case`` becomes with the default options."""
+    """The class a native class of ``case`` becomes with the default options: the model's own ``Liger<native>``
+    where it has one (DeepSeek-V4's norm), else the shared module of its kind."""
+    modules = [importlib.import_module(name) for name in case.liger_module_names]
+    own = [getattr(m, f"Liger{native_name}") for m in modules if hasattr(m, f"Liger{native_name}")]
+    if own:
+        (found,) = own
+        return found
     if native_name.endswith("RMSNorm"):
         return LigerRMSNorm
     if native_name.endswith("MLP"):
         return LigerSwiGLUMLP
     if native_name.endswith(("Experts", "NaiveMoe")):
         return LigerGroupedExperts
-    modules = [importlib.import_module(name) for name in case.liger_module_names]
-    (found,) = [getattr(m, f"Liger{native_name}") for m in modules if hasattr(m, f"Liger{native_name}")]
-    return found
+    raise AssertionError(f"no Liger class for {native_name}")
 
 
 def experts_alias(native_name: str) -> str:
@@ -282,7 +286,7 @@ def test_auto_model_patches_the_classes_then_builds(case, class_level):
 
     model = AutoLigerDSpineForCausalLM.from_config(case.config(), fused_linear_cross_entropy=False)
     types = {type(m) for m in model.modules()}
-    assert LigerRMSNorm in types and LigerSwiGLUMLP in types
+    assert any(issubclass(t, LigerRMSNorm) for t in types) and LigerSwiGLUMLP in types
     assert not {t for t in types if t.__name__ in case.swapped}
     assert type(model).forward is getattr(class_level, case.causal_lm_name).forward  # the loss stays native
     assert type(model).forward.__module__ == class_level.__name__

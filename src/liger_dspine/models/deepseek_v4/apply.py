@@ -1,0 +1,59 @@
+from liger_dspine import patching
+from liger_dspine.models.deepseek_v3.apply import apply_spec
+from liger_dspine.models.deepseek_v3.apply import v3_options
+from liger_dspine.models.deepseek_v3.family import refuse_rope
+from liger_dspine.models.deepseek_v4.spec import DEEPSEEK_V4_SPEC
+
+
+def apply_liger_kernel_to_deepseek_v4(
+    rope: bool = False,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+    *,
+    grouped_experts: bool = True,
+    vocab_chunked_lce: bool = False,
+) -> patching.PatchReport:
+    """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
+
+    Args:
+        rope: must be False (the default): V4's attention (RoPE on the trailing slice, sinks, sliding window,
+            compressed KV) is not patched yet and stays native; True is a ValueError rather than doing nothing.
+        cross_entropy: loss from Liger's cross-entropy kernel on materialised logits.
+        fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
+            logits (``lce_forward``). Exclusive with ``cross_entropy``. Either loss adds the load-balancing
+            auxiliary loss as transformers does (``output_router_logits``, ``router_aux_loss_coef``).
+        rms_norm: every ``DeepseekV4RMSNorm`` -> ``LigerDeepseekV4RMSNorm``, in the installed transformers'
+            casting (5.24: multiply by the fp32 weight, then cast). The weightless query norm stays native.
+        swiglu: the clamped shared-expert MLPs -> ``LigerSwiGLUMLP`` and, with ``grouped_experts``, the clamped
+            routed experts -> ``LigerGroupedExperts``: ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``
+            with ``config.swiglu_limit``, forward and backward in the SiLU-mul kernels.
+        grouped_experts: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``; liger-kernel's fused MoE
+            has no clamp, so there is no ``fused_experts`` option here.
+        vocab_chunked_lce: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``.
+        model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
+
+    The routers (sqrtsoftplus and hash) and the hyper-connections stay native.
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    if rope:
+        refuse_rope("deepseek_v4", "attention", "V4's attention is not patched yet")
+    options = v3_options(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        grouped_experts=grouped_experts,
+        vocab_chunked_lce=vocab_chunked_lce,
+    )
+    return apply_spec(DEEPSEEK_V4_SPEC, options, model)
+
+
+def revert_liger_kernel_to_deepseek_v4(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_deepseek_v4``: the classes without a model, else that instance."""
+    return patching.revert(DEEPSEEK_V4_SPEC, model)

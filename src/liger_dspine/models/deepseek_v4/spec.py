@@ -1,0 +1,47 @@
+"""What the deepseek_v4 patch (DeepSeek-V4) replaces, as data: each swap names the option that enables it.
+
+- ``rms_norm``: the decoder's input / post-attention norms, the final norm, and the attention's and compressors'
+  ``q_a_norm`` / ``kv_norm`` (``DeepseekV4RMSNorm``, in the installed transformers' casting); the weightless
+  per-head query norm stays native.
+- ``swiglu``: the clamped shared-expert MLPs; with it the clamped routed experts on grouped GEMMs
+  (``grouped_experts``).
+- the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
+
+Attention (RoPE, sinks, sliding window, compressed KV), the routers (sqrtsoftplus, hash) and the hyper-connections
+stay native.
+"""
+
+from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
+from liger_dspine.patching import ClassSwap
+from liger_dspine.patching import MethodSwap
+from liger_dspine.patching import ModuleCheck
+from liger_dspine.patching import PatchSpec
+
+MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
+FORWARDS = "liger_dspine.models.deepseek_v4.forward"
+
+DEEPSEEK_V4_SPEC = PatchSpec(
+    model_type="deepseek_v4",
+    module=MODELING,
+    base_classes=(f"{MODELING}:DeepseekV4PreTrainedModel",),
+    swaps=(
+        ClassSwap("rms_norm", ("DeepseekV4RMSNorm",), "liger_dspine.models.deepseek_v4.modules:LigerDeepseekV4RMSNorm"),
+        ClassSwap("swiglu", ("DeepseekV4MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        ClassSwap(
+            "grouped_experts", ("DeepseekV4Experts",), "liger_dspine.modules.grouped_experts:LigerGroupedExperts"
+        ),
+        *(
+            MethodSwap(option, "DeepseekV4ForCausalLM", "forward", f"{FORWARDS}:{forward}")
+            for option, forward in LOSS_FORWARDS
+        ),
+    ),
+    checks=(
+        ModuleCheck(
+            ("DeepseekV4Experts",),
+            shapes=(
+                ("gate_up_proj", lambda c: (c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)),
+                ("down_proj", lambda c: (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)),
+            ),
+        ),
+    ),
+)
