@@ -11,7 +11,6 @@
 """
 
 import argparse
-import collections
 import os
 import sys
 
@@ -20,7 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dspine import build_objective  # noqa: E402
 from bench_dspine import objective_inputs  # noqa: E402
 from bench_dspine import step_batch  # noqa: E402
-from profile_step import kernel_category  # noqa: E402
+from profile_step import print_kernels  # noqa: E402
+from profile_step import print_saved  # noqa: E402
+from profile_step import saved_tensor_census  # noqa: E402
 
 GIB = 2**30
 
@@ -44,21 +45,7 @@ def profile_objective(torch, args) -> None:
     with torch.profiler.profile(activities=activities) as prof:
         call()
         torch.cuda.synchronize()
-    report_kernels(torch, prof, args.top, f"objective {args.hidden} / {args.vocab}, {args.blocks} blocks")
-
-
-def report_kernels(torch, prof, top, title) -> None:
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_category = collections.Counter()
-    for e in events:
-        by_category[kernel_category(e.key)] += e.self_device_time_total
-    total = sum(by_category.values())
-    print(f"\n## CUDA time of {title}: {total / 1e3:.1f} ms")
-    for category, us in by_category.most_common():
-        print(f"{us / 1e3:9.1f} ms  {us / total:6.1%}  {category}")
-    print(f"\n## top {top} kernels")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"{e.self_device_time_total / 1e3:9.2f} ms  x{e.count:<5d} {e.key[:110]}")
+    print_kernels(torch, prof, args.top, f"objective {args.hidden} / {args.vocab}, {args.blocks} blocks")
 
 
 def profile_step(torch, args) -> None:
@@ -88,16 +75,7 @@ def profile_step(torch, args) -> None:
     for name, module in watched:
         handles.append(module.register_forward_pre_hook(lambda m, a, name=name: note(f"fwd start {name}")))
         handles.append(module.register_forward_hook(lambda m, a, o, name=name: note(f"fwd end   {name}")))
-    saved = collections.Counter()
-    seen = set()
-
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if t.is_cuda and key not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(key)
-            saved[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
-        return t
-
+    pack, saved = saved_tensor_census(torch)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() / GIB
     torch.cuda.reset_peak_memory_stats()
@@ -118,10 +96,7 @@ def profile_step(torch, args) -> None:
     print("allocated above base, peak above base (GiB)")
     for what, allocated, peak in events:
         print(f"{allocated - base:7.2f} {peak - base:7.2f}  {what}")
-    total = sum(saved.values())
-    print(f"\n## saved for backward: {total / GIB:.2f} GiB (unique storages), top {args.top}")
-    for (shape, dtype), nbytes in saved.most_common(args.top):
-        print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
+    print_saved(saved, args.top, f"{kind}, head_chunk_rows={args.head_chunk_rows}")
 
 
 def main() -> int:

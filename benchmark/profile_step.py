@@ -29,6 +29,43 @@ def kernel_category(name: str) -> str:
     return "elementwise+copy"
 
 
+def saved_tensor_census(torch):
+    """(pack hook for ``saved_tensors_hooks``, Counter {(shape, dtype): bytes}): each CUDA storage autograd saves,
+    counted once (parameters left out)."""
+    saved = collections.Counter()
+    seen = set()
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if t.is_cuda and key not in seen and not isinstance(t, torch.nn.Parameter):
+            seen.add(key)
+            saved[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
+        return t
+
+    return pack, saved
+
+
+def print_saved(saved, top: int, title: str) -> None:
+    print(f"\n## saved for backward ({title}): {sum(saved.values()) / 2**30:.2f} GiB, unique storages")
+    for (shape, dtype), nbytes in saved.most_common(top):
+        print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
+
+
+def print_kernels(torch, prof, top: int, title: str) -> None:
+    """CUDA time of a profiled region by kernel category, and the top kernels."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_cat = collections.Counter()
+    for e in events:
+        by_cat[kernel_category(e.key)] += e.self_device_time_total
+    total_us = sum(by_cat.values())
+    print(f"\n## CUDA time of {title}: {total_us / 1000:.1f} ms")
+    for cat, us in by_cat.most_common():
+        print(f"{cat:18s} {us / 1000:8.1f} ms  {100 * us / total_us:5.1f}%")
+    print("\n## top kernels")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} [{kernel_category(e.key)}] {e.key[:110]}")
+
+
 def _memory_trace(torch, model, ids) -> None:
     """Allocated memory and the peak so far when each decoder layer and its attention / MLP block starts and ends,
     in forward and in backward: where the step's peak happens."""
@@ -94,15 +131,7 @@ def main() -> int:
         step()
     torch.cuda.synchronize()
 
-    saved = collections.Counter()
-    seen = set()
-
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if t.is_cuda and key not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(key)
-            saved[(tuple(t.shape), str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
-        return t
+    pack, saved = saved_tensor_census(torch)
 
     torch.cuda.reset_peak_memory_stats()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -120,10 +149,7 @@ def main() -> int:
     )
     for p in model.parameters():
         p.grad = None
-    total = sum(saved.values())
-    print(f"\n## saved for backward ({args.impl} {args.layers}L/{args.seq}): {total / 2**30:.2f} GiB, unique storages")
-    for (shape, dtype), nbytes in saved.most_common(args.top):
-        print(f"{nbytes / 2**20:10.1f} MiB  {dtype:9s} {shape}")
+    print_saved(saved, args.top, f"{args.impl} {args.layers}L/{args.seq}")
 
     if args.memory_trace:
         _memory_trace(torch, model, ids)
@@ -134,17 +160,7 @@ def main() -> int:
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_cat = collections.Counter()
-    for e in events:
-        by_cat[kernel_category(e.key)] += e.self_device_time_total
-    step_us = sum(by_cat.values())
-    print(f"\n## CUDA time of one step ({args.impl} {args.layers}L/{args.seq}): {step_us / 1000:.1f} ms")
-    for cat, us in by_cat.most_common():
-        print(f"{cat:18s} {us / 1000:8.1f} ms  {100 * us / step_us:5.1f}%")
-    print("\n## top kernels")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
-        print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} [{kernel_category(e.key)}] {e.key[:110]}")
+    print_kernels(torch, prof, args.top, f"one step ({args.impl} {args.layers}L/{args.seq})")
     # the operators (with their input shapes) that launched the kernels: which elementwise kernel is which
     operators = [
         e
