@@ -88,6 +88,43 @@ KIMI_VISION = dict(
 )
 
 
+# DeepSeek-V4: one layer of each attention kind and router kind (hash, then learned), 2 hyper-connection streams;
+# a SwiGLU limit below the tiny model's gate / up magnitudes, so that the clamps bite; the auxiliary loss on.
+V4 = dict(
+    vocab_size=96,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    q_lora_rank=16,
+    partial_rotary_factor=0.5,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    hc_mult=2,
+    hc_sinkhorn_iters=3,
+    swiglu_limit=0.05,
+    sliding_window=4,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=2,
+    max_position_embeddings=128,
+    output_router_logits=True,
+    router_aux_loss_coef=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     model_type: str
@@ -105,6 +142,9 @@ class FamilyCase:
     decoder: str = "model"  # the path of the decoder (its .layers) in the causal LM
     liger_modules: tuple[str, ...] = ()  # where the Liger<Native> classes live; default models/<type>/modules.py
     native_kept: tuple[str, ...] = ()  # classes named like a swapped kind that no Liger module computes
+    # gradients so ill-conditioned that native fp32 itself is off from fp64 by about 1e-3 (DeepSeek-V4's Sinkhorn
+    # hyper-connection head): the patched run is held to an fp64 native run instead (see assert_trains_as_native)
+    fp64_reference: bool = False
 
     def lce_forward(self):
         return getattr(importlib.import_module(self.forwards), "lce_forward")
@@ -159,6 +199,10 @@ class FamilyCase:
             for module in model.modules():
                 if hasattr(module, "e_score_correction_bias"):
                     module.e_score_correction_bias.normal_(0.0, 0.1)
+                if hasattr(module, "tid2eid"):  # DeepSeek-V4's hash router: distinct experts per token (not all 0)
+                    vocab, top_k = module.tid2eid.shape
+                    experts = module.weight.shape[0]
+                    module.tid2eid.copy_(torch.stack([torch.randperm(experts)[:top_k] for _ in range(vocab)]))
         return model
 
     def apply_fn(self):
@@ -268,6 +312,18 @@ CASES = {
             decoder="model.language_model",
             liger_modules=("liger_dspine.models.deepseek_v3.attention", "liger_dspine.models.deepseek_v3.router"),
             native_kept=("Kimi_K25VisionMLP",),
+        ),
+        # attention, routers and hyper-connections native; clamped MLPs and experts, norms, loss with the aux loss
+        FamilyCase(
+            "deepseek_v4",
+            "DeepseekV4",
+            V4,
+            ("DeepseekV4RMSNorm", "DeepseekV4MLP", "DeepseekV4Experts", "DeepseekV4ForCausalLM.forward"),
+            mla=False,
+            forwards="liger_dspine.models.deepseek_v4.forward",
+            liger_modules=("liger_dspine.models.deepseek_v4.modules",),
+            native_kept=("DeepseekV4UnweightedRMSNorm",),
+            fp64_reference=True,
         ),
         # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
         # scale, which past position 4 differs from 1 here

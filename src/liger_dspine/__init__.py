@@ -18,6 +18,8 @@ from liger_dspine.models.deepseek_v2.apply import apply_liger_kernel_to_deepseek
 from liger_dspine.models.deepseek_v2.apply import revert_liger_kernel_to_deepseek_v2  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3  # noqa: E402
 from liger_dspine.models.deepseek_v3.apply import revert_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine.models.deepseek_v4.apply import apply_liger_kernel_to_deepseek_v4  # noqa: E402
+from liger_dspine.models.deepseek_v4.apply import revert_liger_kernel_to_deepseek_v4  # noqa: E402
 from liger_dspine.models.deepseek_v32.apply import apply_liger_kernel_to_deepseek_v32  # noqa: E402
 from liger_dspine.models.deepseek_v32.apply import revert_liger_kernel_to_deepseek_v32  # noqa: E402
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1  # noqa: E402
@@ -53,6 +55,7 @@ __all__ = [
     "apply_liger_kernel_to_deepseek_v2",
     "apply_liger_kernel_to_deepseek_v3",
     "apply_liger_kernel_to_deepseek_v32",
+    "apply_liger_kernel_to_deepseek_v4",
     "apply_liger_kernel_to_dots1",
     "apply_liger_kernel_to_dspine",
     "apply_liger_kernel_to_glm4_moe",
@@ -69,6 +72,7 @@ __all__ = [
     "revert_liger_kernel_to_deepseek_v2",
     "revert_liger_kernel_to_deepseek_v3",
     "revert_liger_kernel_to_deepseek_v32",
+    "revert_liger_kernel_to_deepseek_v4",
     "revert_liger_kernel_to_dots1",
     "revert_liger_kernel_to_dspine",
     "revert_liger_kernel_to_glm4_moe",

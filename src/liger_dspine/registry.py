@@ -5,6 +5,7 @@ import logging
 from liger_dspine.models.axk1.apply import apply_liger_kernel_to_axk1
 from liger_dspine.models.deepseek_v2.apply import apply_liger_kernel_to_deepseek_v2
 from liger_dspine.models.deepseek_v3.apply import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.models.deepseek_v4.apply import apply_liger_kernel_to_deepseek_v4
 from liger_dspine.models.deepseek_v32.apply import apply_liger_kernel_to_deepseek_v32
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
@@ -29,6 +30,8 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "glm4_moe": apply_liger_kernel_to_glm4_moe,
     "glm4_moe_lite": apply_liger_kernel_to_glm4_moe_lite,
     "glm_moe_dsa": apply_liger_kernel_to_glm_moe_dsa,
+    # clamped SwiGLU experts, norms and loss; attention, routers and hyper-connections native (models/deepseek_v4)
+    "deepseek_v4": apply_liger_kernel_to_deepseek_v4,
     # a multimodal model whose text model is DeepSeek-V3's (keyed by the top-level config's model type)
     "kimi_k25": apply_liger_kernel_to_kimi_k25,
     # its config builds DeepseekV3ForCausalLM (transformers has no modeling file for it)
@@ -45,7 +48,6 @@ UNSUPPORTED_FAMILY_MEMBERS = (
     "axk2",
     "bailing_hybrid",
     "beam",
-    "deepseek_v4",  # models/deepseek_v4 has its clamped SwiGLU, norm and loss, not yet checked on a whole model
     "dots3_note",
     "exaone_moe",
     "glm4v_moe",

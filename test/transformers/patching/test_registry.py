@@ -71,6 +71,7 @@ OURS = [
     "deepseek_v2",
     "deepseek_v3",
     "deepseek_v32",
+    "deepseek_v4",
     "dots1",
     "dspine",
     "glm4_moe",
@@ -82,7 +83,7 @@ OURS = [
     "sarvam_mla",
     "youtu",
 ]
-LIGER_KERNEL_HAS = ["deepseek_v2", "deepseek_v3"]  # the entries liger-kernel's own table has
+LIGER_KERNEL_HAS = ["deepseek_v2", "deepseek_v3", "deepseek_v4"]  # the entries liger-kernel's own table has
 
 
 def test_table_serves_deepseek_v3_its_family_and_dspine():
@@ -112,7 +113,7 @@ def test_sarvam_mla_builds_a_deepseek_v3_model_that_the_table_patches():
     assert_liger_dspine_modules(model)
 
 
-@pytest.mark.parametrize("model_type", ["longcat_flash", "glm4v_moe", "kimi_linear", "deepseek_v4"])
+@pytest.mark.parametrize("model_type", ["longcat_flash", "glm4v_moe", "kimi_linear", "hy_v4"])
 def test_unsupported_family_members_are_named_as_such(model_type):
     with pytest.raises(
         ValueError, match=f"liger-dspine: '{model_type}' is built partly from DeepSeek-V3's classes, but"
@@ -148,8 +149,8 @@ def test_register_without_override_adds_a_missing_entry(liger_table):
     del liger_table["deepseek_v3"]
 
     result = register_with_liger(override=False)
-    assert sorted(result["registered"]) == sorted(set(OURS) - {"deepseek_v2"})
-    assert result["left_alone"] == ["deepseek_v2"]
+    assert sorted(result["registered"]) == sorted(set(OURS) - {"deepseek_v2", "deepseek_v4"})
+    assert sorted(result["left_alone"]) == ["deepseek_v2", "deepseek_v4"]
     assert liger_table["deepseek_v3"] is apply_liger_kernel_to_deepseek_v3
 
 
