@@ -11,6 +11,8 @@ from dataclasses import field
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 MLA = dict(
     q_lora_rank=16,
@@ -145,6 +147,7 @@ class FamilyCase:
     # gradients so ill-conditioned that native fp32 itself is off from fp64 by about 1e-3 (DeepSeek-V4's Sinkhorn
     # hyper-connection head): the patched run is held to an fp64 native run instead (see assert_trains_as_native)
     fp64_reference: bool = False
+    min_transformers: str = ""  # the oldest transformers the patch supports, where older ones have the model
 
     def lce_forward(self):
         return getattr(importlib.import_module(self.forwards), "lce_forward")
@@ -178,6 +181,8 @@ class FamilyCase:
         return self.config().get_text_config(decoder=True).vocab_size
 
     def modeling_or_skip(self):
+        if self.min_transformers and Version(transformers.__version__) < Version(self.min_transformers):
+            pytest.skip(f"the {self.model_type} patch needs transformers >= {self.min_transformers}")
         try:
             return importlib.import_module(self.modeling_name)
         except ModuleNotFoundError:
@@ -185,6 +190,8 @@ class FamilyCase:
 
     def config(self, **overrides):
         from transformers import AutoConfig
+
+        self.modeling_or_skip()
 
         values = {**self.config_values, **overrides}
         config = AutoConfig.for_model(self.model_type, **values)
@@ -324,6 +331,7 @@ CASES = {
             liger_modules=("liger_dspine.models.deepseek_v4.modules",),
             native_kept=("DeepseekV4UnweightedRMSNorm",),
             fp64_reference=True,
+            min_transformers="5.17",
         ),
         # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
         # scale, which past position 4 differs from 1 here

@@ -1,3 +1,7 @@
+from importlib import metadata
+
+from packaging.version import Version
+
 from liger_dspine import patching
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
@@ -42,6 +46,7 @@ def apply_liger_kernel_to_deepseek_v4(
     """
     if rope:
         refuse_rope("deepseek_v4", "attention", "V4's attention is not patched yet")
+    require_clamping_mlp()
     options = v3_options(
         rope=rope,
         cross_entropy=cross_entropy,
@@ -57,3 +62,17 @@ def apply_liger_kernel_to_deepseek_v4(
 def revert_liger_kernel_to_deepseek_v4(model=None) -> list[str]:
     """Undo ``apply_liger_kernel_to_deepseek_v4``: the classes without a model, else that instance."""
     return patching.revert(DEEPSEEK_V4_SPEC, model)
+
+
+# Before this transformers version DeepseekV4MLP does not clamp (only the routed experts do), while its config carries
+# swiglu_limit: a Liger MLP built from that config would clamp where the native one does not.
+MIN_TRANSFORMERS = Version("5.17")
+
+
+def require_clamping_mlp() -> None:
+    found = Version(metadata.version("transformers"))
+    if found < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"liger-dspine: the deepseek_v4 patch needs transformers >= {MIN_TRANSFORMERS} (found {found}): before it "
+            "DeepseekV4MLP leaves its SwiGLU unclamped while the config sets swiglu_limit"
+        )
