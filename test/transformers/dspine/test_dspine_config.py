@@ -62,7 +62,7 @@ def test_invalid_options_raise_value_error_naming_the_field(options, field):
         ({"dflash_config": {}}, "target_layer_ids"),
         ({"num_target_layers": 4.5, "dflash_config": {}}, "num_target_layers"),
         ({"layer_types": ["full_attention"]}, "layer_types"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
     ],
 )
 def test_invalid_draft_fields_raise_value_error(overrides, field):
@@ -172,7 +172,6 @@ def test_plain_qwen3_config_is_not_a_drafter(tmp_path):
         ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "gqa", "attention_modes": ["gqa"] * 2}}, "both"),
         ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "mha"}}, "num_key_value_heads"),
         ({"dflash_config": {"target_layer_ids": [0], "projector_type": "dspark"}}, "projector_type 'dspark'"),
-        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
     ],
 )
 def test_specforge_options_the_drafter_does_not_build_are_refused(overrides, named):

@@ -77,7 +77,7 @@ def reference_forward(model, inputs, replace_mask=None, inject=True):
     r = model.injection.rank
     w = {k: v.double() for k, v in model.state_dict().items() if v.is_floating_point()}
     codes = model.transfer_codes.double()
-    mask = inputs["attention_mask"]["full_attention"][:, 0]  # [B, Q, K]
+    masks = {kind: mask[:, 0] for kind, mask in inputs["attention_mask"].items()}  # each [B, Q, K]
     block_ids = inputs["block_token_ids"]
     batch, num_blocks, block = block_ids.shape
     h = inputs["noise_embedding"].double()
@@ -102,6 +102,7 @@ def reference_forward(model, inputs, replace_mask=None, inject=True):
     features = []
     for layer in range(config.num_hidden_layers):
         p = f"layers.{layer}."
+        mask = masks[config.layer_types[layer]]
         x = _rms(h, w[p + "input_layernorm.weight"], eps)
         kv = torch.cat([ctx, x], dim=1)
         q = _rms(

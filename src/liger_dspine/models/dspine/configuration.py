@@ -18,7 +18,7 @@ from typing import Any
 from transformers import Qwen3Config
 
 DRAFT_ARCHITECTURE = "DSpineDraftModel"
-SUPPORTED_LAYER_TYPES = ("full_attention",)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # SpecForge's DFlash family also has "mla" and "kda" attention; this drafter builds GQA (MHA when the KV heads equal
 # the heads) only.
 SUPPORTED_ATTENTION_MODES = ("gqa", "mha")
@@ -147,7 +147,10 @@ class DSpineDraftConfig(Qwen3Config):
             SpecForge's ``attention_mode`` / ``attention_modes`` must be "gqa" or "mha" (absent: "gqa") and its
             ``projector_type`` null: other values are a ValueError, since this drafter builds nothing else.
         dspine_config (`dict`): the :class:`DSpineConfig` fields; written back complete.
-        is_causal (`bool` or None): must not be False.
+        is_causal (`bool` or None): must not be False. None keeps SpecForge's older sliding-window masks (no window
+            inside the draft block; see :mod:`liger_dspine.models.dspine.masks`).
+        layer_types: "full_attention" or "sliding_attention" per layer; sliding layers need
+            ``use_sliding_window=true`` and a positive ``sliding_window``.
     """
 
     model_type = "dspine"
@@ -166,8 +169,6 @@ class DSpineDraftConfig(Qwen3Config):
             raise ValueError(f"DSpine is_causal must be a bool or null, got {self.is_causal!r}")
         if self.is_causal is False:
             raise ValueError("DSpine requires causal attention; is_causal=false is not supported")
-        if self.use_sliding_window:
-            raise ValueError("DSpine use_sliding_window=true is not supported: the drafter has no sliding layers")
         super().__post_init__(**kwargs)
         self._resolve_dflash_fields()
         self._check_attention_mode()
@@ -212,6 +213,14 @@ class DSpineDraftConfig(Qwen3Config):
         unsupported = sorted(set(self.layer_types) - set(SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise ValueError(f"DSpine layer_types supports only {SUPPORTED_LAYER_TYPES}, got {unsupported}")
+        window = self.sliding_window
+        if "sliding_attention" in self.layer_types and (
+            not self.use_sliding_window or isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
+            raise ValueError(
+                "DSpine sliding_attention layers need use_sliding_window=true and a positive int sliding_window, got "
+                f"use_sliding_window={self.use_sliding_window!r}, sliding_window={window!r}"
+            )
 
     def _check_attention_mode(self) -> None:
         """Refuse SpecForge's DFlash options this drafter does not build (it would build GQA silently)."""

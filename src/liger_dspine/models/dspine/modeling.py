@@ -146,6 +146,11 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             if missing:
                 raise ValueError(f"DSpine attention mask dict lacks layer types {missing}")
             return {kind: prepare_mask(attention_mask[kind]) for kind in set(self.layer_types)}
+        if "sliding_attention" in self.layer_types:
+            raise ValueError(
+                "DSpine has sliding_attention layers: pass attention_mask as a dict {layer_type: mask} "
+                "(masks.draft_attention_masks builds it), not one mask for every layer"
+            )
         prepared = prepare_mask(attention_mask)
         return {kind: prepared for kind in set(self.layer_types)}
 

@@ -22,8 +22,7 @@ from liger_dspine.models.dspine.blocks import sample_anchor_positions
 from liger_dspine.models.dspine.blocks import teacher_positions
 from liger_dspine.models.dspine.chunking import checkpointed_chunk_reduce
 from liger_dspine.models.dspine.frozen_head_terms import frozen_head_terms
-from liger_dspine.models.dspine.masks import causal_block_flex_mask
-from liger_dspine.models.dspine.masks import causal_block_mask
+from liger_dspine.models.dspine.masks import draft_attention_masks
 from liger_dspine.models.dspine.masks import draft_position_ids
 
 logger = logging.getLogger(__name__)
@@ -302,10 +301,7 @@ class DSpineObjective(nn.Module):
 
     # ------------------------------------------------------------------------------------------------------ forward
     def _attention_masks(self, anchors, keep, context_length, document_ids=None):
-        implementation = self.draft_model.config._attn_implementation or "sdpa"
-        build = causal_block_flex_mask if implementation == "flex_attention" else causal_block_mask
-        mask = build(anchors, keep, context_length, self.block_size, document_ids)
-        return {kind: mask for kind in set(self.draft_model.layer_types)}
+        return draft_attention_masks(self.draft_model.config, anchors, keep, context_length, document_ids)
 
     def forward(
         self,
