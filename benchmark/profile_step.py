@@ -1,9 +1,10 @@
-"""Where the time and the memory of one DeepSeek-V3 training step go (GPU).
+"""Where the time and the memory of one DeepSeek-V3 (or DeepSeek-family) training step go (GPU).
 
 Time: torch.profiler over one step after two warm-ups; CUDA kernels grouped into GEMM / attention / Triton /
 elementwise+copy, and the top kernels. Memory: a census of the tensors autograd saves for backward, by shape.
 
     python benchmark/profile_step.py --impl liger-dspine --layers 8 --seq 4096 [--options JSON]
+    python benchmark/profile_step.py --model deepseek_v2 --impl hf --layers 2 --seq 4096   # bench_family.py's widths
 """
 
 import argparse
@@ -101,7 +102,8 @@ def _memory_trace(torch, model, ids) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", default="liger-dspine")
+    parser.add_argument("--impl", default="liger-dspine", help="hf, liger or liger-dspine")
+    parser.add_argument("--model", default="deepseek_v3", help="deepseek_v3 or a model of family_configs.FAMILY")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--options", default="{}")
@@ -111,13 +113,20 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from transformers import DeepseekV3ForCausalLM
 
-    _apply_patch(args.impl, json.loads(args.options))
-    config = deepseek_v3_config(args.layers, tiny=False, max_seq=args.seq)
+    _apply_patch(args.impl, json.loads(args.options), args.model)
+    if args.model == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM as model_class
+
+        config = deepseek_v3_config(args.layers, tiny=False, max_seq=args.seq)
+    else:
+        from family_configs import family_class
+        from family_configs import family_config
+
+        config, model_class = family_config(args.model, args.layers, False, args.seq), family_class(args.model)
     with torch.device("cuda"):
         torch.set_default_dtype(torch.bfloat16)
-        model = DeepseekV3ForCausalLM(config)
+        model = model_class(config)
         torch.set_default_dtype(torch.float32)
     model.train()
     ids = torch.randint(0, config.vocab_size, (1, args.seq), device="cuda")

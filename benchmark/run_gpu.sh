@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | bench-family | bench-family-v32 | bench-capture | train-drafter
+#         | profile-dspine | profile-family | bench-family | bench-family-v32 | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -121,6 +121,14 @@ for step in "$@"; do
         --impl liger-dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl liger-dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
+    # a DeepSeek-family step at 2 layers / 4096 tokens (bench_family.py's widths), transformers and liger-dspine;
+    # PROFILE_MODEL picks the model (default deepseek_v2)
+    profile-family)
+      for impl in hf liger-dspine; do
+        LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
+          --model "${PROFILE_MODEL:-deepseek_v2}" --impl $impl --layers 2 --seq 4096 --top 25 2>&1 \
+          | tee -a "$OUT/profile_family.txt"
+      done ;;
     # where the time of the fused DSpine objective (both widths) and the memory of a DSpine step go
     profile-dspine)
       for width in "7168 129280" "4096 151936"; do
@@ -146,7 +154,7 @@ for step in "$@"; do
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | bench-dspine* | bench-family* | bench-capture | train-drafter)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-family | bench-dspine* | bench-family* | bench-capture | train-drafter)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done
