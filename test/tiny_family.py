@@ -320,15 +320,23 @@ CASES = {
             liger_modules=("liger_dspine.models.deepseek_v3.attention", "liger_dspine.models.deepseek_v3.router"),
             native_kept=("Kimi_K25VisionMLP",),
         ),
-        # attention, routers and hyper-connections native; clamped MLPs and experts, norms, loss with the aux loss
+        # attention and hyper-connections native; clamped MLPs and experts, norms, the learned and hash routers, loss
+        # with the aux loss
         FamilyCase(
             "deepseek_v4",
             "DeepseekV4",
             V4,
-            ("DeepseekV4RMSNorm", "DeepseekV4MLP", "DeepseekV4Experts", "DeepseekV4ForCausalLM.forward"),
+            (
+                "DeepseekV4RMSNorm",
+                "DeepseekV4MLP",
+                "DeepseekV4Experts",
+                "DeepseekV4TopKRouter",
+                "DeepseekV4HashRouter",
+                "DeepseekV4ForCausalLM.forward",
+            ),
             mla=False,
             forwards="liger_dspine.models.deepseek_v4.forward",
-            liger_modules=("liger_dspine.models.deepseek_v4.modules",),
+            liger_modules=("liger_dspine.models.deepseek_v4.modules", "liger_dspine.models.deepseek_v4.router"),
             native_kept=("DeepseekV4UnweightedRMSNorm",),
             fp64_reference=True,
             min_transformers="5.17",

@@ -5,7 +5,8 @@ score function, bias for choice, per-group scores, top ``topk_group`` groups, gr
 renormalisation and scaling, and in the backward the gather / division / score-function gradients and the scatter.
 
 Selection, per token row of ``router_logits [T, E]`` (fp32):
-    scores = score_func(logits): "sigmoid" (DeepSeek-V3) or "softmax" over the row (DeepSeek-V2, Mistral-Small-4)
+    scores = score_func(logits): "sigmoid" (DeepSeek-V3), "softmax" over the row (DeepSeek-V2, Mistral-Small-4) or
+        "sqrtsoftplus", sqrt(softplus(logits)) with torch's softplus threshold of 20 (DeepSeek-V4)
     choice = scores + bias (the optional correction bias; without one, choice = scores)
     group score of each of ``n_group`` groups of ``E / n_group`` experts: "top2" the sum of its two largest
         ``choice`` (DeepSeek-V3, Mistral-Small-4), "max" its largest (DeepSeek-V2's "group_limited_greedy")
@@ -28,11 +29,11 @@ DeepSeek-V2 and Mistral-Small-4 give the dropped groups' experts a score of 0 (n
 expert whose softmax score underflows to 0 ties with them there; the kernel never picks a dropped group's expert.
 
 NaN. With "softmax" a NaN logit makes its whole row NaN (scores, weights and gradients), as natively; what follows
-is about "sigmoid". A NaN ``choice`` ranks above every number, as in ``torch.topk``: a group holding one is kept
-first and its NaN experts are chosen first (lower index first). So a row holding a NaN gives NaN weights, all of
-them with ``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices equal native
-ones as long as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's pick among NaNs
-is unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
+is about "sigmoid" and "sqrtsoftplus". A NaN ``choice`` ranks above every number, as in ``torch.topk``: a group
+holding one is kept first and its NaN experts are chosen first (lower index first). So a row holding a NaN gives NaN
+weights, all of them with ``norm_topk_prob`` and those of the NaN experts without, as transformers does; the indices
+equal native ones as long as the NaN experts and groups fit in ``top_k`` and ``topk_group`` (beyond that native's
+pick among NaNs is unspecified). The logits' gradient is NaN at the chosen NaN experts (and at every chosen expert with
 ``norm_topk_prob``), as natively. Natively it is NaN at every NaN logit too (0 times the sigmoid's NaN derivative);
 the kernel keeps a NaN count per row, not their places, so a row with NaN logits left unchosen gets a NaN gradient
 over the whole row: exactly native's for a NaN token (every logit NaN), and NaN wherever native's is otherwise. The
@@ -54,6 +55,27 @@ _MAX_TOKENS_PER_PROGRAM = 64
 
 
 @triton.jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) as torch computes it in fp32 (x above 20 is kept), softplus = max(x, 0) + log1p(exp(-|x|)),
+    with log1p(u) = log(w) * u / (w - 1), w = 1 + u rounded: accurate where log(1 + u) would lose u's digits."""
+    small = tl.exp(-tl.abs(x))
+    shifted = 1.0 + small
+    log1p = tl.where(shifted == 1.0, small, tl.log(shifted) * small / tl.maximum(shifted - 1.0, 1e-30))
+    softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+    return tl.sqrt(softplus)
+
+
+@triton.jit
+def _sqrt_softplus_derivative(score):
+    """d sqrt(softplus(z)) / dz from s = sqrt(softplus(z)): sigmoid(z) / (2 s), with sigmoid(z) = 1 - exp(-s^2)
+    (a series where s^2 is small, which also gives the limit 0 at s = 0)."""
+    square = score * score
+    series = 1.0 - square * (0.5 - square * (1.0 / 6.0 - square * (1.0 / 24.0)))  # (1 - exp(-x)) / x
+    # (the maximum only keeps the unused lanes of the division finite: where it is used, score > 0.3)
+    return tl.where(square < 0.1, 0.5 * score * series, (1.0 - tl.exp(-square)) / tl.maximum(2.0 * score, 0.5))
+
+
+@triton.jit
 def _moe_router_forward_kernel(
     logits_ptr,  # [T, E] fp32
     bias_ptr,  # [E] fp32
@@ -70,7 +92,8 @@ def _moe_router_forward_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
-    SOFTMAX: tl.constexpr,  # scores: softmax over the row (else sigmoid)
+    SOFTMAX: tl.constexpr,  # scores: softmax over the row
+    SQRT_SOFTPLUS: tl.constexpr,  # scores: sqrt(softplus) (neither: sigmoid)
     GROUP_MAX: tl.constexpr,  # group score: the largest choice (else the sum of the two largest)
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -99,6 +122,8 @@ def _moe_router_forward_kernel(
         row_sum = tl.sum(tl.sum(exps, axis=2), axis=1)
         scores = exps / row_sum[:, None, None]
         tl.store(row_lse_ptr + rows, row_max + tl.log(row_sum), mask=row_ok)
+    elif SQRT_SOFTPLUS:
+        scores = _sqrt_softplus(logits)
     else:
         scores = 1.0 / (1.0 + tl.exp(-logits))  # [BLOCK_T, BLOCK_G, BLOCK_S]
     scores = tl.where(expert_ok[None, :, :], scores, 0.0)
@@ -176,6 +201,7 @@ def _moe_router_backward_kernel(
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     SOFTMAX: tl.constexpr,
+    SQRT_SOFTPLUS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -199,6 +225,8 @@ def _moe_router_backward_kernel(
         grad_scores = grad_weights * scaling
     if SOFTMAX:
         grad_chosen = grad_scores
+    elif SQRT_SOFTPLUS:
+        grad_chosen = grad_scores * _sqrt_softplus_derivative(scores)
     else:
         grad_chosen = grad_scores * scores * (1.0 - scores)  # through the sigmoid
 
@@ -226,7 +254,7 @@ def _moe_router_backward_kernel(
     tl.store(grad_logits_ptr + out_offsets, grad_logits, mask=out_mask)
 
 
-SCORE_FUNCS = ("sigmoid", "softmax")
+SCORE_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 GROUP_SCORES = ("top2", "max")
 
 
@@ -341,6 +369,7 @@ def _moe_router_select(
         TOP_K=top_k,
         NORMALIZE=norm_topk_prob,
         SOFTMAX=score_func == "softmax",
+        SQRT_SOFTPLUS=score_func == "sqrtsoftplus",
         GROUP_MAX=group_score == "max",
         HAS_BIAS=bias is not None,
         BLOCK_T=block_t,
@@ -373,9 +402,13 @@ def moe_router_backward(
     routed_scaling_factor: float,
     router_logits: torch.Tensor | None = None,
     row_lse: torch.Tensor | None = None,
+    score_func: str = "sigmoid",
 ) -> torch.Tensor:
     """Gradient of the router logits ``[T, E]`` fp32 from the gradient of ``topk_weights [T, K]``; the softmax
-    backward when ``router_logits`` and ``row_lse`` are given, the sigmoid's otherwise."""
+    backward when ``router_logits`` and ``row_lse`` are given, else that of ``score_func`` ("sigmoid" or
+    "sqrtsoftplus"), from the chosen scores alone."""
+    if router_logits is None and score_func not in ("sigmoid", "sqrtsoftplus"):
+        raise ValueError(f"liger-dspine: the {score_func!r} router backward needs router_logits and row_lse")
     check_kernel_device(topk_scores, "the MoE router backward kernel")
     return _moe_router_select_backward(
         grad_weights.to(torch.float32),
@@ -387,6 +420,7 @@ def moe_router_backward(
         float(routed_scaling_factor),
         router_logits,
         row_lse,
+        score_func,
     )
 
 
@@ -401,6 +435,7 @@ def _moe_router_select_backward(
     routed_scaling_factor: float,
     router_logits: torch.Tensor | None,
     row_lse: torch.Tensor | None,
+    score_func: str = "sigmoid",
 ) -> torch.Tensor:
     """The backward kernel's launch: a new [T, E] fp32 gradient, written densely."""
     num_tokens, top_k = topk_scores.shape
@@ -412,9 +447,9 @@ def _moe_router_select_backward(
     block_t = _tokens_per_program(block_e, _BACKWARD_TILE)
     _moe_router_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
         grad_weights.contiguous(),
-        topk_scores,
-        topk_indices,
-        nan_counts,
+        topk_scores.contiguous(),
+        topk_indices.contiguous(),
+        nan_counts.contiguous(),
         router_logits.contiguous() if softmax else topk_scores,  # not read by the sigmoid backward
         row_lse if softmax else topk_scores,
         grad_logits,
@@ -424,6 +459,7 @@ def _moe_router_select_backward(
         TOP_K=top_k,
         NORMALIZE=norm_topk_prob,
         SOFTMAX=softmax,
+        SQRT_SOFTPLUS=not softmax and score_func == "sqrtsoftplus",
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
@@ -461,6 +497,7 @@ class LigerMoeRouterFunction(torch.autograd.Function):
             group_score,
         )  # fmt: skip
         ctx.softmax = score_func == "softmax"
+        ctx.score_func = score_func
         if ctx.softmax:
             ctx.save_for_backward(topk_scores, indices, nan_counts, router_logits, row_lse)
         else:
@@ -474,6 +511,7 @@ class LigerMoeRouterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weights, _grad_indices):
         topk_scores, indices, nan_counts, *softmax_state = ctx.saved_tensors
+        router_logits, row_lse = softmax_state if softmax_state else (None, None)
         grad_logits = None
         if ctx.needs_input_grad[0] and grad_weights is not None:
             grad_logits = moe_router_backward(
@@ -484,7 +522,9 @@ class LigerMoeRouterFunction(torch.autograd.Function):
                 ctx.num_experts,
                 ctx.norm_topk_prob,
                 ctx.routed_scaling_factor,
-                *softmax_state,
+                router_logits,
+                row_lse,
+                ctx.score_func,
             )
         return grad_logits, None, None, None, None, None, None, None, None
 

@@ -28,6 +28,7 @@ from liger_dspine.ops import candidate_scores
 from liger_dspine.ops import frozen_head_loss
 from liger_dspine.ops import frozen_head_objective
 from liger_dspine.ops import grouped_experts
+from liger_dspine.ops import hash_router
 from liger_dspine.ops import interleaved_rope
 from liger_dspine.ops import liger_kernel_ops
 from liger_dspine.ops import linear_cross_entropy
@@ -94,6 +95,18 @@ def case_moe_router():
 def case_moe_router_softmax():
     logits = randn(5, 6, grad=True)  # softmax, group-max selection, no correction bias (DeepSeek-V2)
     out = moe_router.LigerMoeRouterFunction.apply(logits, None, 2, 3, 2, False, 1.5, "softmax", "max")
+    return out, [logits]
+
+
+def case_moe_router_sqrtsoftplus():
+    logits = randn(5, 6, grad=True)  # sqrtsoftplus, one group, correction bias (DeepSeek-V4)
+    out = moe_router.LigerMoeRouterFunction.apply(logits, randn(6), 2, 1, 1, True, 1.5, "sqrtsoftplus", "max")
+    return out, [logits]
+
+
+def case_hash_router():
+    logits = randn(5, 6, grad=True)
+    out = hash_router.LigerHashRouterFunction.apply(logits, randint(6, 5, 2), "sqrtsoftplus", 1.5)
     return out, [logits]
 
 
@@ -230,6 +243,8 @@ CASES = {
     case_mla_key_cached: ("mla_key", "mla_key_backward"),
     case_moe_router: ("moe_router_select", "moe_router_select_backward"),
     case_moe_router_softmax: ("moe_router_select", "moe_router_select_backward"),
+    case_moe_router_sqrtsoftplus: ("moe_router_select", "moe_router_select_backward"),
+    case_hash_router: ("moe_router_select_backward",),
     case_mla_key_pairs: ("mla_key", "mla_key_backward"),
     case_mla_query_halves: ("rope_rotate", "rope_unrotate_"),
     case_router_logits: (),

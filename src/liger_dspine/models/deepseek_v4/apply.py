@@ -17,6 +17,7 @@ def apply_liger_kernel_to_deepseek_v4(
     swiglu: bool = True,
     model=None,
     *,
+    moe_router: bool = True,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
 ) -> patching.PatchReport:
@@ -34,12 +35,15 @@ def apply_liger_kernel_to_deepseek_v4(
         swiglu: the clamped shared-expert MLPs -> ``LigerSwiGLUMLP`` and, with ``grouped_experts``, the clamped
             routed experts -> ``LigerGroupedExperts``: ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``
             with ``config.swiglu_limit``, forward and backward in the SiLU-mul kernels.
+        moe_router: (keyword-only) the learned top-k router (sqrtsoftplus or sigmoid scores plus the correction
+            bias, renormalised and scaled) in one Triton kernel per direction, and the hash router's weights
+            computed from its table's experts only (``models/deepseek_v4/router.py``).
         grouped_experts: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``; liger-kernel's fused MoE
             has no clamp, so there is no ``fused_experts`` option here.
         vocab_chunked_lce: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``.
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
-    The routers (sqrtsoftplus and hash) and the hyper-connections stay native.
+    The attention and the hyper-connections stay native.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -53,6 +57,7 @@ def apply_liger_kernel_to_deepseek_v4(
         fused_linear_cross_entropy=fused_linear_cross_entropy,
         rms_norm=rms_norm,
         swiglu=swiglu,
+        moe_router=moe_router,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )

@@ -5,10 +5,11 @@
   per-head query norm stays native.
 - ``swiglu``: the clamped shared-expert MLPs; with it the clamped routed experts on grouped GEMMs
   (``grouped_experts``).
+- ``moe_router``: the learned top-k router (sqrtsoftplus or sigmoid scores, correction bias, no groups) in the MoE
+  router kernel, and the hash router's weights from its table's experts only (``models/deepseek_v4/router.py``).
 - the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
 
-Attention (RoPE, sinks, sliding window, compressed KV), the routers (sqrtsoftplus, hash) and the hyper-connections
-stay native.
+Attention (RoPE, sinks, sliding window, compressed KV) and the hyper-connections stay native.
 """
 
 from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
@@ -19,6 +20,7 @@ from liger_dspine.patching import PatchSpec
 
 MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 FORWARDS = "liger_dspine.models.deepseek_v4.forward"
+ROUTERS = "liger_dspine.models.deepseek_v4.router"
 
 DEEPSEEK_V4_SPEC = PatchSpec(
     model_type="deepseek_v4",
@@ -30,6 +32,8 @@ DEEPSEEK_V4_SPEC = PatchSpec(
         ClassSwap(
             "grouped_experts", ("DeepseekV4Experts",), "liger_dspine.modules.grouped_experts:LigerGroupedExperts"
         ),
+        ClassSwap("moe_router", ("DeepseekV4TopKRouter",), f"{ROUTERS}:LigerDeepseekV4TopKRouter"),
+        ClassSwap("moe_router", ("DeepseekV4HashRouter",), f"{ROUTERS}:LigerDeepseekV4HashRouter"),
         *(
             MethodSwap(option, "DeepseekV4ForCausalLM", "forward", f"{FORWARDS}:{forward}")
             for option, forward in LOSS_FORWARDS
