@@ -62,7 +62,7 @@ def run(router, hidden, input_ids):
     logits, weights, indices = router(*args)
     order = indices.argsort(dim=-1)  # compare as sets: native's topk(sorted=False) has no defined order
     indices, weights = indices.gather(1, order), weights.gather(1, order)
-    grad = torch.randn(weights.shape, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(weights.shape, generator=torch.Generator().manual_seed(3)).to(weights.device, weights.dtype)
     (weights * grad).sum().backward()
     return logits, weights, indices, hidden.grad, router.weight.grad
 
@@ -145,3 +145,26 @@ def test_an_unsupported_score_function_is_refused():
         router(torch.randn(4, HIDDEN))
     with pytest.raises(ValueError, match="score_func"):
         liger_hash_router_weights(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.long), "softmax", 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("route", ["topk", "hash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routers_match_native_cuda(route, dtype):
+    """On the GPU: fp32 as on the CPU; bf16 (native scores in bf16, these in fp32) within bf16 rounding."""
+    config = v4_config(64, 6)
+    native, liger = router_pair(route, config, seed=9)
+    hidden = torch.randn(512, HIDDEN, generator=torch.Generator().manual_seed(2)) * 3.0
+    if route == "topk":
+        hidden = hidden[decided_tokens(native, hidden, 6)]
+    native, liger = native.to("cuda", dtype), liger.to("cuda", dtype)
+    hidden = hidden.to("cuda", dtype)
+    input_ids = None if route == "topk" else torch.randint(0, VOCAB, (hidden.shape[0],), device="cuda")
+    expected, got = run(native, hidden, input_ids), run(liger, hidden, input_ids)
+    same = (got[2] == expected[2]).all(dim=-1)  # bf16 scores may reorder near ties
+    assert same.float().mean() > (0.999 if dtype == torch.float32 else 0.95)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1][same].float(), expected[1][same].float(), **tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[3], expected[3], **tolerance)
+        torch.testing.assert_close(got[4], expected[4], **tolerance)
