@@ -136,3 +136,20 @@ def target_batch(
     taps = torch.cat([outputs.hidden_states[i + 1] for i in target_layer_ids], dim=-1)
     last = target.model(input_ids).last_hidden_state
     return TargetBatch(input_ids, loss_mask, taps, last)
+
+
+# SpecForge's MLA fields (customization.md) at the tiny width: 4 heads, query / key heads 12 + 4 (nope + rope),
+# value heads 16, latent ranks 12 (query) and 8 (key-value).
+TINY_MLA = dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=16)
+
+
+def tiny_mla_draft_config(rope_interleaved: bool = True, output_gate: bool = True, **overrides) -> DSpineDraftConfig:
+    """The tiny drafter with ``dflash_config.attention_mode: "mla"`` (and the MLA options); overrides win."""
+    dflash = {
+        "mask_token_id": TINY_MASK_TOKEN,
+        "target_layer_ids": list(TINY_TAPS),
+        "attention_mode": "mla",
+        "mla_rope_interleaved": rope_interleaved,
+        "mla_use_output_gate": output_gate,
+    }
+    return tiny_draft_config(**{**TINY_MLA, "dflash_config": dflash, **overrides})

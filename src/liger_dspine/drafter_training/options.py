@@ -22,6 +22,8 @@ TINY = dict(
     target_layer_ids="0,1",
     dtype="float32",
 )
+# The MLA sizes of an MLA drafter (--drafter-<name>), SpecForge's config fields.
+MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Defaults of a full-size run (where --tiny does not set them).
 DEFAULTS = dict(
     seq_len=2048,
@@ -61,6 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     drafter.add_argument("--drafter-kv-heads", type=int)
     drafter.add_argument("--drafter-head-dim", type=int)
     drafter.add_argument("--drafter-intermediate-size", type=int)
+    drafter.add_argument(
+        "--drafter-attention",
+        choices=("gqa", "mla"),
+        default="gqa",
+        help="mla: SpecForge's MLA draft attention; its sizes default to the target's when the target has MLA",
+    )
+    drafter.add_argument("--drafter-q-lora-rank", type=int, help="MLA query rank (0: a direct q_proj)")
+    drafter.add_argument("--drafter-kv-lora-rank", type=int, help="MLA key-value latent rank")
+    drafter.add_argument("--drafter-qk-nope-head-dim", type=int, help="MLA query / key columns without RoPE")
+    drafter.add_argument("--drafter-qk-rope-head-dim", type=int, help="MLA query / key columns with RoPE")
+    drafter.add_argument("--drafter-v-head-dim", type=int, help="MLA value head width")
     drafter.add_argument("--transfer-rank", type=int)
     drafter.add_argument("--message-size", type=int)
     drafter.add_argument("--top-k", type=int)
@@ -137,6 +150,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         fail(f"--block-size must be >= 2 (an anchor and a proposal), got {args.block_size}")
     if args.seq_len < args.block_size:
         fail(f"--seq-len {args.seq_len} is shorter than a block ({args.block_size})")
+    mla_options = [name for name in MLA_OPTIONS if getattr(args, f"drafter_{name}") is not None]
+    if mla_options and args.drafter_attention != "mla":
+        fail(f"--drafter-{mla_options[0].replace('_', '-')} needs --drafter-attention mla")
+    if args.drafter_config and args.drafter_attention == "mla":
+        fail("--drafter-attention mla builds the drafter from sizes: give it or --drafter-config, not both")
     if isinstance(args.target_layer_ids, str):
         try:
             args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]

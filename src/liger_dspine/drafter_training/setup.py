@@ -2,6 +2,7 @@
 
 import logging
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -74,9 +75,11 @@ def drafter_config(args, target):
     taps = args.target_layer_ids or build_target_layer_ids(target_layers, layers)
     if any(not 0 <= i < target_layers for i in taps):
         raise ValueError(f"liger-dspine: --target-layer-ids {taps} must lie in [0, {target_layers})")
-    if heads % kv_heads:
+    if heads % kv_heads and args.drafter_attention != "mla":
         raise ValueError(f"liger-dspine: --drafter-heads {heads} is not a multiple of --drafter-kv-heads {kv_heads}")
+    mla_fields, mla_dflash = mla_options(args, target.config) if args.drafter_attention == "mla" else ({}, {})
     return DSpineDraftConfig(
+        **mla_fields,
         hidden_size=hidden,
         intermediate_size=args.drafter_intermediate_size or 2 * hidden,
         num_hidden_layers=layers,
@@ -87,7 +90,7 @@ def drafter_config(args, target):
         max_position_embeddings=max(args.seq_len, getattr(target.config, "max_position_embeddings", 0) or 0),
         block_size=args.block_size,
         num_target_layers=target_layers,
-        dflash_config={"mask_token_id": mask_token_id(args, None), "target_layer_ids": list(taps)},
+        dflash_config={"mask_token_id": mask_token_id(args, None), "target_layer_ids": list(taps), **mla_dflash},
         dspine_config={
             "transfer_rank": min(args.transfer_rank, hidden, vocab - 1),
             "message_size": args.message_size,
@@ -95,6 +98,34 @@ def drafter_config(args, target):
             "alignment_warmup_steps": args.alignment_warmup_steps,
         },
     )
+
+
+def mla_options(args, target_config) -> tuple[dict, dict]:
+    """The MLA fields of ``--drafter-attention mla`` (top level, ``dflash_config``): each ``--drafter-<field>``, else
+    the target's own value when the target has MLA (``kv_lora_rank``); the RoPE layout follows the target's
+    ``rope_interleave`` (SpecForge's default, interleaved, without one)."""
+    from liger_dspine.drafter_training.options import MLA_OPTIONS
+    from liger_dspine.models.dspine.mla_config import mla_settings
+
+    target_has_mla = getattr(target_config, "kv_lora_rank", None) is not None
+    fields = {}
+    for name in MLA_OPTIONS:
+        value = getattr(args, f"drafter_{name}")
+        if value is None and target_has_mla:
+            value = getattr(target_config, name, None)
+        elif value is None and name != "q_lora_rank":
+            raise ValueError(
+                f"liger-dspine: --drafter-attention mla needs --drafter-{name.replace('_', '-')} (the target has no "
+                "MLA sizes to take it from)"
+            )
+        fields[name] = None if value == 0 and name == "q_lora_rank" else value
+    interleaved = getattr(target_config, "rope_interleave", None)
+    dflash = {"attention_mode": "mla", "mla_rope_interleaved": True if interleaved is None else bool(interleaved)}
+    try:  # a size the drafter config refuses is an argument error
+        mla_settings(SimpleNamespace(**fields, dflash_config=dflash))
+    except ValueError as error:
+        raise ValueError(f"liger-dspine: {error}") from None
+    return fields, dflash
 
 
 def mask_token_id(args, config) -> int:

@@ -164,11 +164,11 @@ def test_plain_qwen3_config_is_not_a_drafter(tmp_path):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "mla"}}, "'mla'"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "mla"}}, "'mla' needs kv_lora_rank"),
         ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "kda"}}, "'kda'"),
         ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "sparse"}}, "'sparse'"),
-        ({"dflash_config": {"target_layer_ids": [0], "attention_modes": ["gqa", "mla"]}}, "'mla'"),
-        ({"attention_mode": "mla"}, "'mla'"),
+        ({"dflash_config": {"target_layer_ids": [0], "attention_modes": ["gqa", "mla"]}}, "'mla' cannot be mixed"),
+        ({"attention_mode": "mla"}, "'mla' cannot be mixed"),
         ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "gqa", "attention_modes": ["gqa"] * 2}}, "both"),
         ({"dflash_config": {"target_layer_ids": [0], "attention_mode": "mha"}}, "num_key_value_heads"),
         ({"dflash_config": {"target_layer_ids": [0], "projector_type": "dspark"}}, "projector_type 'dspark'"),

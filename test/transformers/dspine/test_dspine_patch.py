@@ -29,6 +29,7 @@ from liger_dspine.models.dspine.fused_switch import fused_objective_on
 from liger_dspine.models.dspine.injection import AdjacentInjection
 from liger_dspine.models.dspine.liger_attention import LigerDSpineAttention
 from liger_dspine.models.dspine.liger_injection import LigerAdjacentInjection
+from liger_dspine.models.dspine.mla_attention import DSpineMLAAttention
 from liger_dspine.models.dspine.objective import BACKBONE_CE
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
@@ -47,6 +48,7 @@ PATCHED_GLOBALS = [
     "liger_dspine.models.dspine.builders.Qwen3RMSNorm",
     "liger_dspine.models.dspine.builders.Qwen3MLP",
     "liger_dspine.models.dspine.builders.DSpineAttention",
+    "liger_dspine.models.dspine.builders.DSpineMLAAttention",
     "liger_dspine.models.dspine.builders.AdjacentInjection",
     "liger_dspine.models.dspine.objective.DSpineObjective.patched_fused_objective",
 ]
@@ -58,6 +60,7 @@ def assert_native_globals() -> None:
     assert builders.Qwen3MLP is Qwen3MLP
     assert builders.AdjacentInjection is AdjacentInjection
     assert builders.DSpineAttention is DSpineAttention
+    assert builders.DSpineMLAAttention is DSpineMLAAttention
     assert DSpineObjective.patched_fused_objective is NATIVE_SWITCH
 
 
@@ -168,7 +171,7 @@ def test_class_level_patch_reaches_models_built_afterwards(class_level, target):
 )
 def test_class_level_options_choose_the_swaps(class_level, target, options, norm, mlp, fused):
     report = apply_liger_kernel_to_dspine(**options)
-    assert len(report) == 4
+    assert len(report) == 5
     objective = build_objective(target)
     assert_kinds(objective.draft_model, norm, mlp)
     assert objective.fused_objective is fused
@@ -280,7 +283,7 @@ def test_registry_serves_dspine(class_level, target):
     assert_native_globals()
 
     report = apply_liger_kernel("dspine", fused_objective=False)
-    assert [r.target for r in report] == PATCHED_GLOBALS[:4]
+    assert [r.target for r in report] == PATCHED_GLOBALS[:5]
     assert_liger(build_draft(target))
 
 

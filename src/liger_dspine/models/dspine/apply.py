@@ -16,7 +16,8 @@ def apply_liger_kernel_to_dspine(
     """Swap a DSpine drafter's modules (and its objective's frozen-head terms) for Liger kernels.
 
     Args:
-        rms_norm: every RMSNorm (layer norms, q/k norms, ``hidden_norm``, final ``norm``) -> ``LigerRMSNorm``.
+        rms_norm: every RMSNorm (layer norms, q/k norms or MLA's q_a / kv_a norms, ``hidden_norm``, final
+            ``norm``) -> ``LigerRMSNorm``.
         swiglu: the decoder layers' SwiGLU MLPs -> ``LigerSwiGLUMLP``.
         fused_objective: objectives built without an explicit ``fused_objective`` compute the backbone CE, the L1
             to the teacher and the top-k candidates through the frozen head with the fused kernel, chunk by chunk
@@ -25,7 +26,9 @@ def apply_liger_kernel_to_dspine(
             features keep about three [tokens, hidden] buffers per layer fewer for the backward.
         attention: (keyword-only) ``DSpineAttention`` -> ``LigerDSpineAttention``: with sdpa on CUDA in bf16 / fp16,
             the same attention kernel keeping the key-value heads, not their repeats to every query head, for the
-            backward (two [B, heads, context + draft, head_dim] tensors per layer fewer).
+            backward (two [B, heads, context + draft, head_dim] tensors per layer fewer); and an MLA drafter's
+            ``DSpineMLAAttention`` -> ``LigerDSpineMLAAttention``, its query and key assembly (RoPE included) in
+            Triton kernels.
         model: None patches at class level (every drafter built afterwards, every objective); a ``DSpineDraftModel``
             or a ``DSpineObjective`` patches that instance only (an objective includes its drafter).
 

@@ -1,10 +1,11 @@
 """The one place the DSpine drafter gets its RMSNorm, SwiGLU MLP, attention and injection modules from.
 
-Native modules are transformers' ``Qwen3RMSNorm`` / ``Qwen3MLP`` and this package's ``DSpineAttention`` and
-``AdjacentInjection``, looked up through this module's globals at build time, so a class-level patch of these names
-redirects every model built afterwards. ``use_liger=True`` builds this package's ``LigerRMSNorm`` (liger-kernel's
-kernel, casting mode "llama": the same fp32 statistics as ``Qwen3RMSNorm``), ``LigerSwiGLUMLP``,
-``LigerDSpineAttention`` and ``LigerAdjacentInjection``; liger-kernel is imported only then. Both kinds own the same
+Native modules are transformers' ``Qwen3RMSNorm`` / ``Qwen3MLP`` and this package's ``DSpineAttention`` (or
+``DSpineMLAAttention`` for an MLA drafter) and ``AdjacentInjection``, looked up through this module's globals at build
+time, so a class-level patch of these names redirects every model built afterwards. ``use_liger=True`` builds this
+package's ``LigerRMSNorm`` (liger-kernel's kernel, casting mode "llama": the same fp32 statistics as
+``Qwen3RMSNorm``), ``LigerSwiGLUMLP``, ``LigerDSpineAttention`` / ``LigerDSpineMLAAttention`` and
+``LigerAdjacentInjection``; liger-kernel is imported only then. Both kinds own the same
 parameter names, so state dicts do not depend on the choice.
 """
 
@@ -14,6 +15,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from liger_dspine.models.dspine.attention import DSpineAttention
 from liger_dspine.models.dspine.injection import AdjacentInjection
+from liger_dspine.models.dspine.mla_attention import DSpineMLAAttention
 
 
 def make_rms_norm(hidden_size: int, eps: float, use_liger: bool = False) -> nn.Module:
@@ -26,7 +28,14 @@ def make_rms_norm(hidden_size: int, eps: float, use_liger: bool = False) -> nn.M
 
 
 def make_attention(config, use_liger: bool = False) -> nn.Module:
-    """The draft block's grouped-query attention over [context ; draft] (see :class:`DSpineAttention`)."""
+    """The draft block's attention over [context ; draft]: grouped-query (:class:`DSpineAttention`), or MLA
+    (:class:`DSpineMLAAttention`) when ``config.uses_mla``."""
+    if getattr(config, "uses_mla", False):
+        if use_liger:
+            from liger_dspine.models.dspine.liger_mla_attention import LigerDSpineMLAAttention
+
+            return LigerDSpineMLAAttention(config, use_liger)
+        return DSpineMLAAttention(config, use_liger)
     if use_liger:
         from liger_dspine.models.dspine.liger_attention import LigerDSpineAttention
 

@@ -17,11 +17,13 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from liger_dspine.models.dspine.mla_config import mla_settings
+
 DRAFT_ARCHITECTURE = "DSpineDraftModel"
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-# SpecForge's DFlash family also has "mla" and "kda" attention; this drafter builds GQA (MHA when the KV heads equal
-# the heads) only.
-SUPPORTED_ATTENTION_MODES = ("gqa", "mha")
+# SpecForge's DFlash family also has "kda" attention; this drafter builds GQA (MHA when the KV heads equal the heads)
+# and MLA, the same kind in every layer.
+SUPPORTED_ATTENTION_MODES = ("gqa", "mha", "mla")
 
 _INT_FIELDS = ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps", "replacement_layers")
 
@@ -144,8 +146,11 @@ class DSpineDraftConfig(Qwen3Config):
         num_target_layers (`int`): the target's layer count; only used for the default ``target_layer_ids``.
         dflash_config (`dict`): ``mask_token_id`` (int or None until a trainer resolves it) and
             ``target_layer_ids`` (0-based target decoder layers whose outputs are concatenated, T of them).
-            SpecForge's ``attention_mode`` / ``attention_modes`` must be "gqa" or "mha" (absent: "gqa") and its
-            ``projector_type`` null: other values are a ValueError, since this drafter builds nothing else.
+            SpecForge's ``attention_mode`` / ``attention_modes`` must be "gqa", "mha" or "mla" (absent: "gqa"; "mla"
+            in every layer or none) and its ``projector_type`` null: other values are a ValueError, since this
+            drafter builds nothing else. "mla" reads SpecForge's MLA fields (``q_lora_rank``, ``kv_lora_rank``,
+            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``; ``dflash_config.mla_rope_interleaved`` and
+            ``mla_use_output_gate``), see :mod:`liger_dspine.models.dspine.mla_config`.
         dspine_config (`dict`): the :class:`DSpineConfig` fields; written back complete.
         is_causal (`bool` or None): must not be False. None keeps SpecForge's older sliding-window masks (no window
             inside the draft block; see :mod:`liger_dspine.models.dspine.masks`).
@@ -227,26 +232,44 @@ class DSpineDraftConfig(Qwen3Config):
         dflash = self.dflash_config
         if "attention_mode" in dflash and "attention_modes" in dflash:
             raise ValueError("DSpine dflash_config sets both attention_mode and attention_modes; set one")
-        modes = list(dflash.get("attention_modes") or [dflash.get("attention_mode", "gqa")])
-        top_level = getattr(self, "attention_mode", None)  # some DFlash readers also look at the top level
-        if top_level is not None:
-            modes.append(top_level)
+        modes = self._attention_modes()
         unsupported = sorted({str(mode) for mode in modes if str(mode).lower() not in SUPPORTED_ATTENTION_MODES})
         if unsupported:
             raise ValueError(
                 f"DSpine attention_mode {', '.join(map(repr, unsupported))} is not supported: the drafter implements "
-                f"{' and '.join(SUPPORTED_ATTENTION_MODES)} attention only"
+                f"{', '.join(SUPPORTED_ATTENTION_MODES)} attention only"
             )
         if "mha" in (str(mode).lower() for mode in modes) and self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(
                 f"DSpine attention_mode 'mha' needs num_key_value_heads == num_attention_heads, got "
                 f"{self.num_key_value_heads} and {self.num_attention_heads}"
             )
+        lowered = {str(mode).lower() for mode in modes}
+        if "mla" in lowered and lowered != {"mla"}:
+            raise ValueError(
+                f"DSpine attention_mode 'mla' cannot be mixed with {sorted(lowered - {'mla'})}: every layer of the "
+                "drafter has the same attention"
+            )
+        if self.uses_mla:
+            mla_settings(self)
         if dflash.get("projector_type") is not None:
             raise ValueError(
                 f"DSpine dflash_config.projector_type {dflash['projector_type']!r} is not supported: the drafter has "
                 "no projector (projector_type must be null or absent)"
             )
+
+    def _attention_modes(self) -> list:
+        dflash = self.dflash_config
+        modes = list(dflash.get("attention_modes") or [dflash.get("attention_mode", "gqa")])
+        top_level = getattr(self, "attention_mode", None)  # some DFlash readers also look at the top level
+        if top_level is not None:
+            modes.append(top_level)
+        return modes
+
+    @property
+    def uses_mla(self) -> bool:
+        """Whether the drafter's attention is MLA (``attention_mode`` "mla"; its sizes: ``mla_settings(config)``)."""
+        return {str(mode).lower() for mode in self._attention_modes()} == {"mla"}
 
     @property
     def target_layer_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ from liger_dspine.models.dspine.configuration import DSpineDraftConfig
 from liger_dspine.models.dspine.configuration import is_dspine_config_dict
 from liger_dspine.models.dspine.injection import AdjacentInjection
 from liger_dspine.models.dspine.injection import compute_transfer_space
+from liger_dspine.models.dspine.mla_config import rope_config
 
 
 class DSpineOutput(NamedTuple):
@@ -100,7 +101,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             DSpineDecoderLayer(config, use_liger_kernel) for _ in range(config.num_hidden_layers)
         )
         self.norm = builders.make_rms_norm(hidden, eps, use_liger_kernel)
-        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        # an MLA drafter turns only the rope part of its query / key heads: cos / sin of that width
+        self.rotary_emb = Qwen3RotaryEmbedding(config=rope_config(config) if config.uses_mla else config)
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = builders.make_rms_norm(hidden, eps, use_liger_kernel)
         options = self.dspine_config

@@ -14,11 +14,18 @@ DSPINE_SPEC = PatchSpec(
         "liger_dspine.models.dspine.objective:DSpineObjective",
     ),
     swaps=(
-        # layer norms, q/k norms, hidden_norm and the final norm are all built through builders.Qwen3RMSNorm
+        # layer norms, q/k norms (MLA: q_a / kv_a norms), hidden_norm and the final norm are all built through
+        # builders.Qwen3RMSNorm
         ClassSwap("rms_norm", ("Qwen3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", ("Qwen3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
         # the draft-block attention, keeping the key-value heads (not their repeats) for the backward
         ClassSwap("attention", ("DSpineAttention",), "liger_dspine.models.dspine.liger_attention:LigerDSpineAttention"),
+        # an MLA drafter's attention (same option): its query and key assembly with the RoPE in Triton kernels
+        ClassSwap(
+            "attention",
+            ("DSpineMLAAttention",),
+            "liger_dspine.models.dspine.liger_mla_attention:LigerDSpineMLAAttention",
+        ),
         # the spine's writes and features, keeping no fp32 copy of the states nor the written delta
         ClassSwap(
             "injection", ("AdjacentInjection",), "liger_dspine.models.dspine.liger_injection:LigerAdjacentInjection"
