@@ -4,7 +4,7 @@ The target is ``bench_deepseek_v3.py``'s DeepSeek-V3 (hidden 7168, vocab 129280,
 with random weights, tapped at ``[0, 1, 2, 3]``; bf16, Liger kernels and the fused objective. The run passes when the
 mean loss of the last 10 steps is at least 10% below that of the first 10. Per step: time, peak memory, and the
 capture's time (synchronised around it inside the loop). Writes ``train_drafter_steps.csv`` (one row per step) and
-``train_drafter.csv`` (the summary) under benchmark/data/.
+``train_drafter.csv`` (the summary) and ``train_drafter_loss.png`` under benchmark/data/.
 
     python benchmark/bench_train_drafter.py           # H200
     python benchmark/bench_train_drafter.py --tiny    # CPU plumbing check: the demo's tiny target, fp32
@@ -24,14 +24,40 @@ SUMMARY = ["steps", "seq", "first10_loss", "last10_loss", "drop", "median_step_s
            "tokens_per_s", "passed"]  # fmt: skip
 
 
+def plot(steps_csv: str, png: str) -> None:
+    """Loss per step and step time of a run's ``train_drafter_steps*.csv``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(steps_csv, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    steps = [int(row["step"]) for row in rows]
+    figure, (loss_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    loss_axis.plot(steps, [float(row["loss"]) for row in rows], marker=".")
+    loss_axis.set(title="DSpine drafter loss", xlabel="step", ylabel="loss")
+    time_axis.plot(steps[1:], [float(row["step_s"]) for row in rows[1:]], marker=".", label="step")
+    time_axis.plot(steps[1:], [float(row["capture_s"]) for row in rows[1:]], marker=".", label="target capture")
+    time_axis.set(title="time per step (after the first)", xlabel="step", ylabel="s")
+    time_axis.legend()
+    figure.tight_layout()
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replot", help="redraw the plot of a train_drafter_steps CSV this script wrote, and exit")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--budget-s", type=float, help="accepted for run_gpu.sh; the run is bounded by --steps")
     args = parser.parse_args()
+    if args.replot:
+        plot(args.replot, args.replot.replace("_steps", "_loss").replace(".csv", ".png"))
+        return 0
 
     sys.path.insert(0, HERE)
     from liger_dspine.cli import _setup_device
@@ -77,6 +103,10 @@ def main() -> int:
     os.makedirs(DATA, exist_ok=True)
     suffix = "_tiny" if args.tiny else ""
     shutil.copy(steps_csv, os.path.join(DATA, f"train_drafter_steps{suffix}.csv"))
+    try:
+        plot(steps_csv, os.path.join(DATA, f"train_drafter_loss{suffix}.png"))
+    except ImportError:
+        print("matplotlib missing: no plot")
     with open(os.path.join(DATA, f"train_drafter{suffix}.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=SUMMARY)
         writer.writeheader()
