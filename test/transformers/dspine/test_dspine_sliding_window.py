@@ -208,3 +208,19 @@ def test_liger_drafter_with_a_sliding_layer_matches_native(target):
     assert set(grads_liger) == set(grads_native)
     for name, grad in grads_native.items():
         torch.testing.assert_close(grads_liger[name], grad, rtol=2e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_forward_with_a_sliding_layer_matches_fp64_reference_cuda(target, implementation):
+    draft = build_draft(target, write_std=0.2, is_causal=True, **SLIDING)
+    hidden, pre, features = reference_forward(draft, sliding_inputs(target, draft.config, "sdpa"))
+    draft.config._attn_implementation = implementation
+    inputs = {name: value.cuda() for name, value in draft_inputs(target).items() if name != "attention_mask"}
+    inputs["attention_mask"] = draft_attention_masks(draft.config, ANCHORS.cuda(), KEEP.cuda(), SEQ)
+    with torch.no_grad():
+        out = draft.cuda()(**inputs)
+    torch.testing.assert_close(out.hidden_states.double().cpu(), hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.pre_injection.double().cpu(), pre, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.layer_features.double().cpu(), features, atol=1e-4, rtol=1e-4)
