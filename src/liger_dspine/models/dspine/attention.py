@@ -154,11 +154,15 @@ class DSpineAttention(nn.Module):
         query = apply_rotary(query, cos[:, -q_len:], sin[:, -q_len:])
         key = apply_rotary(key, cos, sin)
 
+        output = self._attend_rows(query, key, value, attention_mask, **kwargs)
+        return self.o_proj(output.reshape(batch, q_len, -1))
+
+    def _attend_rows(self, query, key, value, attention_mask: PreparedMask, **kwargs) -> torch.Tensor:
+        """:meth:`_attend` with the dropped rows zeroed, per query position: [B, Q, N, D]."""
         output = self._attend(query, key, value, attention_mask, **kwargs)
         if attention_mask.row_visible is not None:
             output = output * attention_mask.row_visible.to(output.dtype)
-        output = output.transpose(1, 2).reshape(batch, q_len, -1)
-        return self.o_proj(output)
+        return output.transpose(1, 2)
 
     def _attend(self, query, key, value, attention_mask: PreparedMask, **kwargs) -> torch.Tensor:
         """q [B, N, Q, D], k / v [B, N_kv, S+Q, D] -> [B, N, Q, D] through ``config._attn_implementation``."""

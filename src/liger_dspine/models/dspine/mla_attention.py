@@ -14,10 +14,10 @@ by a rotary embedding of width R (see :func:`liger_dspine.models.dspine.mla_conf
 
 import torch
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from liger_dspine.models.dspine.attention import DSpineAttention
 from liger_dspine.models.dspine.attention import PreparedMask
+from liger_dspine.models.dspine.attention import apply_rotary
 from liger_dspine.models.dspine.mla_config import mla_settings
 
 
@@ -32,9 +32,9 @@ def apply_mla_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
     interleaved: pair (2i, 2i+1) turns by frequency i, in place; else rotate_half (pair (i, R/2 + i)).
     """
-    cos, sin = cos[:, None], sin[:, None]
     if not interleaved:
-        return states * cos + rotate_half(states) * sin
+        return apply_rotary(states, cos, sin)
+    cos, sin = cos[:, None], sin[:, None]
     half = cos.shape[-1] // 2
     cos = cos[..., :half].repeat_interleave(2, dim=-1)
     sin = sin[..., :half].repeat_interleave(2, dim=-1)
@@ -44,8 +44,9 @@ def apply_mla_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 class DSpineMLAAttention(nn.Module):
     """MLA of the draft block over [context ; draft] (parameter names as SpecForge's ``Qwen3DFlashMLAAttention``)."""
 
-    # the attention call of the GQA module: sdpa / eager / flex over the prepared mask
+    # the attention call of the GQA module: sdpa / eager / flex over the prepared mask, dropped rows zeroed
     _attend = DSpineAttention._attend
+    _attend_rows = DSpineAttention._attend_rows
 
     def __init__(self, config, use_liger_kernel: bool = False):
         from liger_dspine.models.dspine import builders  # builders looks this class up at import
@@ -101,10 +102,7 @@ class DSpineMLAAttention(nn.Module):
         batch, q_len, _ = hidden_states.shape
         cos, sin = position_embeddings
         query, key, value = self._query_key_value(hidden_states, context, cos, sin)
-        output = self._attend(query, key, value, attention_mask, **kwargs)  # [B, N, Q, V]
-        if attention_mask.row_visible is not None:
-            output = output * attention_mask.row_visible.to(output.dtype)
-        output = output.transpose(1, 2)  # [B, Q, N, V]
+        output = self._attend_rows(query, key, value, attention_mask, **kwargs)  # [B, Q, N, V]
         if self.use_output_gate:
             output = output * torch.sigmoid(self.g_proj(hidden_states)).view(batch, q_len, -1, self.v_head_dim)
         return self.o_proj(output.reshape(batch, q_len, -1))
