@@ -10,6 +10,7 @@ from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM
 
 from liger_dspine.models.dspine.configuration import DSpineDraftConfig
+from liger_dspine.models.dspine.modeling import DSpineDraftModel
 
 TINY_HIDDEN = 32
 TINY_VOCAB = 96
@@ -83,6 +84,25 @@ def tiny_draft_config(**overrides) -> DSpineDraftConfig:
     )
     values.update(overrides)
     return DSpineDraftConfig(**values)
+
+
+def seeded_draft(target, config: DSpineDraftConfig, seed: int) -> DSpineDraftModel:
+    """A native fp32 drafter on the CPU after ``torch.manual_seed(seed)``: its transfer space from the target's head,
+    its spine writes drawn at 0.05 (zero-initialised writes would leave the spine out of the first step)."""
+    torch.manual_seed(seed)
+    draft = DSpineDraftModel(config)
+    draft.initialize_transfer_space(target.lm_head.weight.float().cpu())
+    with torch.no_grad():
+        for write in draft.injection.writes:
+            write.weight.normal_(0.0, 0.05)
+    return draft
+
+
+def to_device(draft: DSpineDraftModel, device, dtype) -> DSpineDraftModel:
+    """The drafter in ``device`` / ``dtype``, its transfer codes kept in fp32 (as with bf16 weights in training)."""
+    draft = draft.to(device=device, dtype=dtype)
+    draft.transfer_codes = draft.transfer_codes.float()
+    return draft
 
 
 def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:

@@ -28,9 +28,11 @@ from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import seeded_draft
 from tiny_dspine import target_batch
 from tiny_dspine import tiny_draft_config
 from tiny_dspine import tiny_target
+from tiny_dspine import to_device
 
 pytest.importorskip("liger_kernel")
 
@@ -50,13 +52,8 @@ STEP = 100  # the replacement draw is on at step 100 of 600: the teacher-forced 
 
 def build_draft(target, kind, device, dtype):
     """A Liger drafter: ``built`` with use_liger_kernel=True, or a native one ``patched`` at instance level."""
-    torch.manual_seed(321)
     config = tiny_draft_config(head_dim=16, num_attention_heads=2, num_key_value_heads=1)
-    native = DSpineDraftModel(config)
-    native.initialize_transfer_space(target.lm_head.weight.float())
-    with torch.no_grad():
-        for write in native.injection.writes:
-            write.weight.normal_(0.0, 0.05)
+    native = seeded_draft(target, config, seed=321)
     if kind == "built":
         draft = DSpineDraftModel(config, use_liger_kernel=True)
         draft.load_state_dict(native.state_dict(), strict=True)
@@ -64,9 +61,7 @@ def build_draft(target, kind, device, dtype):
         draft = native
         apply_liger_kernel_to_dspine(model=draft)
     assert not any(isinstance(module, (Qwen3RMSNorm, Qwen3MLP)) for module in draft.modules())
-    draft = draft.to(device=device, dtype=dtype)
-    draft.transfer_codes = draft.transfer_codes.float()  # codes stay fp32 with bf16 weights
-    return draft
+    return to_device(draft, device, dtype)
 
 
 def target_and_batch(device, dtype):

@@ -12,31 +12,23 @@ from liger_dspine.models.dspine import DSpineAccumulationWindow
 from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
 from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import seeded_draft
 from tiny_dspine import target_batch
 from tiny_dspine import tiny_draft_config
 from tiny_dspine import tiny_target
+from tiny_dspine import to_device
 
 pytest.importorskip("liger_kernel")
 
 
 def build_pair(target, dtype, device):
     """A native drafter and a Liger drafter with the same weights (head_dim 16: one KV head)."""
-    torch.manual_seed(321)
     config = tiny_draft_config(head_dim=16, num_attention_heads=2, num_key_value_heads=1)
-    native = DSpineDraftModel(config)
-    native.initialize_transfer_space(target.lm_head.weight.float())
-    with torch.no_grad():
-        for write in native.injection.writes:
-            write.weight.normal_(0.0, 0.05)
+    native = seeded_draft(target, config, seed=321)
     liger = DSpineDraftModel(config, use_liger_kernel=True)
     liger.load_state_dict(native.state_dict(), strict=True)
     assert set(liger.state_dict()) == set(native.state_dict())
-    models = []
-    for model in (native, liger):
-        model = model.to(device=device, dtype=dtype)
-        model.transfer_codes = model.transfer_codes.float()  # codes stay fp32 with bf16 weights
-        models.append(model)
-    return models
+    return [to_device(model, device, dtype) for model in (native, liger)]
 
 
 def training_step(draft, target, batches, step):

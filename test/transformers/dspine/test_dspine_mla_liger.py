@@ -21,8 +21,10 @@ from liger_dspine.models.dspine.masks import causal_block_mask
 from liger_dspine.models.dspine.masks import draft_position_ids
 from liger_dspine.models.dspine.mla_attention import DSpineMLAAttention
 from liger_dspine.modules.rms_norm import LigerRMSNorm
+from tiny_dspine import seeded_draft
 from tiny_dspine import tiny_mla_draft_config
 from tiny_dspine import tiny_target
+from tiny_dspine import to_device
 
 pytest.importorskip("liger_kernel")
 
@@ -35,15 +37,8 @@ MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
 
 def native_drafter(target, interleaved=True, dtype=torch.float32, device="cpu", **overrides):
-    torch.manual_seed(321)
-    draft = DSpineDraftModel(tiny_mla_draft_config(rope_interleaved=interleaved, **overrides))
-    draft.initialize_transfer_space(target.lm_head.weight.float().cpu())
-    with torch.no_grad():
-        for write in draft.injection.writes:
-            write.weight.normal_(0.0, 0.05)
-    draft = draft.to(device=device, dtype=dtype)
-    draft.transfer_codes = draft.transfer_codes.float()  # codes stay fp32 with bf16 weights
-    return draft
+    config = tiny_mla_draft_config(rope_interleaved=interleaved, **overrides)
+    return to_device(seeded_draft(target, config, seed=321), device, dtype)
 
 
 def built_liger_drafter(native):

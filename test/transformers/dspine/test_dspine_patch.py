@@ -34,9 +34,11 @@ from liger_dspine.models.dspine.objective import BACKBONE_CE
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
 from tiny_dspine import TINY_MASK_TOKEN
+from tiny_dspine import seeded_draft
 from tiny_dspine import target_batch
 from tiny_dspine import tiny_draft_config
 from tiny_dspine import tiny_target
+from tiny_dspine import to_device
 
 N_LAYERS = 2  # tiny_draft_config
 NORM_NAMES = [
@@ -79,15 +81,7 @@ def target():
 
 
 def build_draft(target, seed=5, dtype=torch.float32, device="cpu"):
-    torch.manual_seed(seed)
-    draft = DSpineDraftModel(tiny_draft_config())
-    draft.initialize_transfer_space(target.lm_head.weight.float().cpu())
-    with torch.no_grad():  # zero-initialised writes would leave the spine out of the first step
-        for write in draft.injection.writes:
-            write.weight.normal_(0.0, 0.05)
-    draft = draft.to(device=device, dtype=dtype)
-    draft.transfer_codes = draft.transfer_codes.float()  # codes stay fp32 with bf16 weights
-    return draft
+    return to_device(seeded_draft(target, tiny_draft_config(), seed), device, dtype)
 
 
 def build_objective(target, fused_objective=None, **kwargs):
