@@ -45,9 +45,8 @@ def draft_attention_masks(
 
 
 def _check_window(sliding_window) -> None:
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
-        raise ValueError(f"DSpine sliding_window must be a positive int or None, got {sliding_window!r}")
-    if sliding_window is not None and sliding_window < 1:
+    positive_int = isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1
+    if sliding_window is not None and not positive_int:
         raise ValueError(f"DSpine sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
