@@ -67,6 +67,30 @@ def print_kernels(torch, prof, top: int, title: str) -> None:
         print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} [{kernel_category(e.key)}] {e.key[:110]}")
 
 
+def print_host(torch, prof, step, top: int, title: str) -> None:
+    """The host side of a step: its wall time against the CUDA time above (a step whose wall time exceeds its CUDA
+    time waits on the CPU), the CUDA runtime calls (launches, and the copies / synchronisations that block the host,
+    with the time spent in them) and the operators with the most CPU time of their own."""
+    import time
+
+    walls = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    print(f"\n## host ({title}): wall time of a step {1000 * sorted(walls)[2]:.1f} ms (median of 5)")
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    runtime = [e for e in events if e.key.startswith(("cuda", "cu"))]
+    print("CUDA runtime calls in the profiled step (count, host time inside them):")
+    for e in sorted(runtime, key=lambda e: -e.self_cpu_time_total)[:12]:
+        print(f"{e.self_cpu_time_total / 1000:8.2f} ms  x{e.count:<5d} {e.key[:60]}")
+    print("operators by their own CPU time (profiler overhead included):")
+    for e in sorted((e for e in events if e not in runtime), key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"{e.self_cpu_time_total / 1000:8.2f} ms  x{e.count:<5d} {e.key[:70]}")
+
+
 def _memory_trace(torch, model, ids) -> None:
     """Allocated memory and the peak so far when each decoder layer and its attention / MLP block starts and ends,
     in forward and in backward: where the step's peak happens."""
@@ -180,6 +204,7 @@ def main() -> int:
     for e in sorted(operators, key=lambda e: -e.self_device_time_total)[: 2 * args.top]:
         shapes = str(e.input_shapes)[:90]
         print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} {e.key[:40]:40s} {shapes}")
+    print_host(torch, prof, step, args.top, f"{args.impl} {args.layers}L/{args.seq}")
     return 0
 
 

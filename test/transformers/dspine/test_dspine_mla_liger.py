@@ -157,17 +157,36 @@ def test_liger_mla_drafter_matches_native_cuda(dtype, tolerance, interleaved, at
         result = training_step(liger, target, batches, 100)
         if dtype == torch.bfloat16 and attention == "sdpa":
             # The kernels write q / k / v as [B, S+Q, N, D] memory, the native assembly as [B, N, S+Q, D]: in bf16
-            # sdpa may serve the two layouts with different kernels, and elementwise 0.02 on the gradients failed
-            # (kv_a_proj_with_mqa) on an H200. The GQA patch test's bf16 criteria apply: the loss and the gradient
-            # cosine.
-            compare_loss_and_cosine(expected, result, tolerance)
+            # sdpa serves the two layouts with different kernels, whose rounding differs by more than 0.02
+            # elementwise. Both are judged against an fp32 run of the same weights and batches instead.
+            reference = fp32_reference(native, target, interleaved, attention)
+            compare_against_fp32(reference, expected, result)
         else:
             compare(expected, result, tolerance)
 
 
-def compare_loss_and_cosine(native, liger, tolerance):
-    (loss, grads, _), (liger_loss, liger_grads, _) = native, liger
-    assert abs(liger_loss - loss) <= max(tolerance, tolerance * abs(loss))
-    assert all(torch.isfinite(grad).all() for grad in liger_grads.values())
-    flat, liger_flat = (torch.cat([g[name].flatten() for name in sorted(grads)]) for g in (grads, liger_grads))
-    assert torch.nn.functional.cosine_similarity(liger_flat, flat, dim=0) > 0.999
+def fp32_reference(native, target, interleaved, attention):
+    """The training step in fp32 from the bf16 drafter's and target's own (rounded) weights."""
+    reference = native_drafter(target.float(), interleaved, device="cuda")
+    reference.load_state_dict({k: v.float() for k, v in native.state_dict().items()})
+    reference.config._attn_implementation = attention
+    return training_step(reference, target.float(), make_batches(target.float(), "cuda"), 100)
+
+
+def relative_errors(reference, run):
+    """(loss error, whole-gradient relative L2 error, (worst tensor's relative L2 error, its name))."""
+    (loss, grads, _), (run_loss, run_grads, _) = reference, run
+    flat, run_flat = (torch.cat([g[name].flatten() for name in sorted(grads)]) for g in (grads, run_grads))
+    worst = max((((run_grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item(), n) for n, g in grads.items())
+    return (abs(run_loss - loss) / abs(loss)).item(), ((run_flat - flat).norm() / flat.norm()).item(), worst
+
+
+def compare_against_fp32(reference, native, liger):
+    """liger-dspine's bf16 errors against fp32 at most 1.25x native bf16's (issue 11's accuracy rule), or within
+    bf16's own rounding (2^-7 relative) when native's are smaller still."""
+    assert all(torch.isfinite(grad).all() for grad in liger[1].values())
+    native_errors, liger_errors = relative_errors(reference, native), relative_errors(reference, liger)
+    message = f"errors against fp32: native bf16 {native_errors}, liger-dspine bf16 {liger_errors}"
+    print(message)
+    assert liger_errors[0] <= max(1.25 * native_errors[0], 2**-7), message
+    assert liger_errors[1] <= max(1.25 * native_errors[1], 2**-7), message
