@@ -20,6 +20,7 @@ from bench_dspine import build_objective  # noqa: E402
 from bench_dspine import objective_inputs  # noqa: E402
 from bench_dspine import step_batch  # noqa: E402
 from profile_step import print_kernels  # noqa: E402
+from profile_step import print_operators  # noqa: E402
 from profile_step import print_saved  # noqa: E402
 from profile_step import saved_tensor_census  # noqa: E402
 
@@ -42,10 +43,21 @@ def profile_objective(torch, args) -> None:
         call()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         call()
         torch.cuda.synchronize()
-    print_kernels(torch, prof, args.top, f"objective {args.hidden} / {args.vocab}, {args.blocks} blocks")
+    title = f"objective {args.hidden} / {args.vocab}, {args.blocks} blocks, head chunk rows {args.head_chunk_rows}"
+    print_kernels(torch, prof, args.top, title)
+    print_operators(torch, prof, args.top)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    print(f"\n## {title}: {sorted(times)[2]:.1f} ms a call (median of 5, CUDA events)")
 
 
 def profile_step(torch, args) -> None:
@@ -99,9 +111,42 @@ def profile_step(torch, args) -> None:
     print_saved(saved, args.top, f"{kind}, head_chunk_rows={args.head_chunk_rows}")
 
 
+def profile_gemms(torch, args) -> None:
+    """The fused objective's two head GEMMs of one chunk at several chunk heights: the logits [2C, H] x [H, V] and
+    the input gradient [C, V] x [V, H] (fp32 out, as the op writes it, and bf16 out); TFLOP/s, median of 10."""
+    weight = torch.randn(args.vocab, args.hidden, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[5]
+
+    print(f"\n## head GEMMs at hidden {args.hidden} / vocab {args.vocab}: ms and TFLOP/s of one chunk")
+    print("rows  logits [2C,V]      dx fp32 out        dx bf16 out")
+    for rows in (512, 1024, 1152, 1280, 1536, 2048):
+        hidden = torch.randn(2 * rows, args.hidden, device="cuda", dtype=torch.bfloat16)
+        dz = torch.randn(rows, args.vocab, device="cuda", dtype=torch.bfloat16)
+        cells = []
+        for fn, m in (
+            (lambda: hidden @ weight.T, 2 * rows),
+            (lambda: torch.mm(dz, weight, out_dtype=torch.float32), rows),
+            (lambda: dz @ weight, rows),
+        ):
+            ms = timed(fn)
+            cells.append(f"{ms:6.2f} {2 * m * args.hidden * args.vocab / ms / 1e9:5.0f}")
+        print(f"{rows:5d} " + "     ".join(cells))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("objective", "step"), required=True)
+    parser.add_argument("--part", choices=("objective", "step", "gemm"), required=True)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--vocab", type=int, default=129280)
     parser.add_argument("--blocks", type=int, default=1024)
@@ -114,6 +159,8 @@ def main() -> int:
 
     if args.part == "objective":
         profile_objective(torch, args)
+    elif args.part == "gemm":
+        profile_gemms(torch, args)
     else:
         profile_step(torch, args)
     return 0

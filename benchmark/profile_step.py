@@ -67,6 +67,20 @@ def print_kernels(torch, prof, top: int, title: str) -> None:
         print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} [{kernel_category(e.key)}] {e.key[:110]}")
 
 
+def print_operators(torch, prof, top: int) -> None:
+    """The operators (with their input shapes) that launched the kernels: which elementwise kernel is which. The
+    profile must have been recorded with ``record_shapes=True``."""
+    operators = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
+    ]
+    print("\n## top operators by the device time of the kernels they launch (input shapes)")
+    for e in sorted(operators, key=lambda e: -e.self_device_time_total)[: 2 * top]:
+        shapes = str(e.input_shapes)[:90]
+        print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} {e.key[:40]:40s} {shapes}")
+
+
 def print_host(torch, prof, step, top: int, title: str) -> None:
     """The host side of a step: its wall time against the CUDA time above (a step whose wall time exceeds its CUDA
     time waits on the CPU), the CUDA runtime calls (launches, and the copies / synchronisations that block the host,
@@ -194,16 +208,7 @@ def main() -> int:
         step()
         torch.cuda.synchronize()
     print_kernels(torch, prof, args.top, f"one step ({args.impl} {args.layers}L/{args.seq})")
-    # the operators (with their input shapes) that launched the kernels: which elementwise kernel is which
-    operators = [
-        e
-        for e in prof.key_averages(group_by_input_shape=True)
-        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
-    ]
-    print("\n## top operators by the device time of the kernels they launch (input shapes)")
-    for e in sorted(operators, key=lambda e: -e.self_device_time_total)[: 2 * args.top]:
-        shapes = str(e.input_shapes)[:90]
-        print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} {e.key[:40]:40s} {shapes}")
+    print_operators(torch, prof, args.top)
     print_host(torch, prof, step, args.top, f"{args.impl} {args.layers}L/{args.seq}")
     return 0
 

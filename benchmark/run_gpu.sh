@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-family | bench-family | bench-family-v32 | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | profile-family | bench-family | bench-family-v32 | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -140,6 +140,19 @@ for step in "$@"; do
         timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_dspine.py --part step \
           ${rows:+--head-chunk-rows $rows} 2>&1 | tee -a "$OUT/profile_dspine_step.txt"
       done ;;
+    # the fused objective at 7168 / 129280 for each head chunk height of PROFILE_ROWS ("default": the op's choice),
+    # with the operators behind its kernels, and the head GEMMs alone at several chunk heights (both widths)
+    profile-dspine-objective)
+      for rows in ${PROFILE_ROWS:-default}; do
+        [[ $rows == default ]] && rows=""
+        timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_dspine.py --part objective ${rows:+--head-chunk-rows $rows} \
+          2>&1 | tee -a "$OUT/profile_dspine_objective.txt"
+      done
+      for width in "7168 129280" "4096 151936"; do
+        read -r hidden vocab <<<"$width"
+        timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_dspine.py --part gemm --hidden "$hidden" --vocab "$vocab" \
+          2>&1 | tee -a "$OUT/profile_dspine_gemm.txt"
+      done ;;
     # DSpine: the objective alone at two widths, the whole step in four variants and three modes, accuracy vs fp32
     bench-dspine) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part all --name dspine ;;
     bench-dspine-objective) BENCH_SCRIPT=benchmark/bench_dspine.py run_bench --part objective --name dspine_objective ;;
@@ -154,7 +167,7 @@ for step in "$@"; do
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-family | bench-dspine* | bench-family* | bench-capture | train-drafter)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | bench-dspine* | bench-family* | bench-capture | train-drafter)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done
