@@ -2,7 +2,8 @@
 
 Parts (each configuration runs in a process of its own, for a clean peak memory and a fresh Triton cache):
 - ``objective``: the objective alone, from the drafter's outputs to the loss and its backward
-  (``DSpineObjective.block_terms``), eager (chunks of 128 blocks under checkpointing) against the fused kernel, at
+  (``DSpineObjective.block_terms``), eager (chunks of 128 blocks under checkpointing) against the fused kernel (with
+  the native drafter's refinement modules, and with the Liger ones), at
   hidden 4096 / vocab 151936 (Qwen3-8B target) and hidden 7168 / vocab 129280 (DeepSeek-V3 target). Reports the
   fraction of the GEMM floor (three [R, H] x [H, V] products at the bf16 matmul rate measured in the same process).
 - ``step``: a whole training step (forward, backward, AdamW) of a Qwen3-8B-like drafter (5 layers, hidden 4096,
@@ -30,13 +31,15 @@ import sys
 import tempfile
 import time
 
-IMPLS = ("native", "liger-dspine")
 STEP_VARIANTS = {  # name -> (Liger layers, fused objective)
     "native": (False, False),
     "liger-layers": (True, False),
     "fused-objective": (False, True),
     "liger-dspine": (True, True),
 }
+# the objective alone: eager; fused with the native drafter's modules in the refinement (its final norm and
+# injection); fused with the Liger ones, as apply_liger_kernel_to_dspine() leaves a drafter
+OBJECTIVE_VARIANTS = ("native", "fused-objective", "liger-dspine")
 STEP_MODES = ("acc1", "acc2", "ckpt")
 OBJECTIVE_WIDTHS = ((4096, 151936), (7168, 129280))
 TINY_OBJECTIVE_WIDTHS = ((32, 3000), (48, 2000))
@@ -212,7 +215,8 @@ def run_objective(args, hidden, vocab, impl):
     import torch
 
     device, dtype = args.device, args.dtype
-    objective = build_objective(hidden, vocab, 1, False, impl != "native", dtype, device, args.tiny)
+    liger, fused = STEP_VARIANTS[impl]
+    objective = build_objective(hidden, vocab, 1, liger, fused, dtype, device, args.tiny)
     blocks = args.batch * args.anchors
     inputs = objective_inputs(objective, blocks, 11, device, dtype)
     leaves = [inputs[k] for k in ("hidden", "pre", "features")]
@@ -378,7 +382,7 @@ def configurations(args):
     for part in parts:
         if part == "objective":
             for hidden, vocab in widths:
-                for impl in ("native", "liger-dspine"):
+                for impl in OBJECTIVE_VARIANTS:
                     yield dict(part=part, hidden=hidden, vocab=vocab, impl=impl, config=f"objective-{hidden}")
         elif part == "step":
             for mode in args.modes.split(","):

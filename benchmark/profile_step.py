@@ -81,6 +81,36 @@ def print_operators(torch, prof, top: int) -> None:
         print(f"{e.self_device_time_total / 1000:8.2f} ms  x{e.count:<4d} {e.key[:40]:40s} {shapes}")
 
 
+def print_syncs(torch, step) -> None:
+    """Each call in one step that makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``), with the
+    innermost frames of the package, transformers and liger-kernel that led to it."""
+    import traceback
+    import warnings
+
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [
+            f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if any(k in f.filename for k in ("liger_dspine", "liger_kernel", "transformers", "benchmark"))
+        ]
+        found.append((str(message).split("\n")[0][:70], frames[-3:]))
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    print(f"\n## host synchronisations in one step: {len(found)}")
+    for message, frames in found:
+        print(f"  {message}\n      " + "\n      ".join(frames))
+
+
 def print_host(torch, prof, step, top: int, title: str) -> None:
     """The host side of a step: its wall time against the CUDA time above (a step whose wall time exceeds its CUDA
     time waits on the CPU), the CUDA runtime calls (launches, and the copies / synchronisations that block the host,
@@ -210,6 +240,7 @@ def main() -> int:
     print_kernels(torch, prof, args.top, f"one step ({args.impl} {args.layers}L/{args.seq})")
     print_operators(torch, prof, args.top)
     print_host(torch, prof, step, args.top, f"{args.impl} {args.layers}L/{args.seq}")
+    print_syncs(torch, step)
     return 0
 
 

@@ -6,6 +6,8 @@ One training step (accumulation replay, two micro-batches, SGD) with the same to
 0.02 in bf16. On CPU the kernels run in Triton's interpreter (fp32 only, tiny shapes).
 """
 
+import copy
+
 import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -166,11 +168,13 @@ def test_liger_mla_drafter_matches_native_cuda(dtype, tolerance, interleaved, at
 
 
 def fp32_reference(native, target, interleaved, attention):
-    """The training step in fp32 from the bf16 drafter's and target's own (rounded) weights."""
-    reference = native_drafter(target.float(), interleaved, device="cuda")
+    """The training step in fp32 from the bf16 drafter's and target's own (rounded) weights (on copies: ``float()``
+    converts a module in place)."""
+    target = copy.deepcopy(target).float()
+    reference = native_drafter(target, interleaved, device="cuda")
     reference.load_state_dict({k: v.float() for k, v in native.state_dict().items()})
     reference.config._attn_implementation = attention
-    return training_step(reference, target.float(), make_batches(target.float(), "cuda"), 100)
+    return training_step(reference, target, make_batches(target, "cuda"), 100)
 
 
 def relative_errors(reference, run):

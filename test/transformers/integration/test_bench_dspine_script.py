@@ -31,14 +31,16 @@ def by(rows, key):
 def test_objective_alone_eager_and_fused_agree(out):
     rows, table = run(out, "objective", "--part", "objective")
     assert {(r["config"], r["impl"]) for r in rows} == {
-        (f"objective-{h}", impl) for h in (32, 48) for impl in ("native", "liger-dspine")
+        (f"objective-{h}", impl) for h in (32, 48) for impl in ("native", "fused-objective", "liger-dspine")
     }
     assert all(r["status"] == "ok" for r in rows)
     losses = by(rows, "loss")
     for hidden in (32, 48):
         config = f"objective-{hidden}"
-        native, fused = losses[(config, "native", "")], losses[(config, "liger-dspine", "")]
-        assert abs(fused - native) <= 1e-5 * abs(native), (config, native, fused)
+        native = losses[(config, "native", "")]
+        for impl in ("fused-objective", "liger-dspine"):
+            fused = losses[(config, impl, "")]
+            assert abs(fused - native) <= 1e-5 * abs(native), (config, impl, native, fused)
     assert "speed vs native" in table and "memory vs native" in table
     assert all(float(r["speedup"]) > 0 for r in rows)
 

@@ -134,6 +134,19 @@ def test_chunk_rows_fit_the_budget():
     assert loss_chunk_rows(7, 10**9, 4, True, 1) == 1
 
 
+def test_chunk_rows_on_a_gpu_fill_the_input_gradient_gemms_last_wave():
+    budget = 640 * 2**20
+    # H 7168 on 132 SMs: 1152 rows give 252 output tiles of 128 x 256 (1.91 waves), 1024 give 224 (1.70)
+    assert loss_chunk_rows(15360, 129280, 2, True, budget, 7168, 132) == 1152
+    # H 4096: 1024 rows give 128 tiles (0.97 of a wave), the largest multiple of 128 within the budget (1104 rows)
+    assert loss_chunk_rows(15360, 151936, 2, True, budget, 4096, 132) == 1024
+    assert loss_chunk_rows(15360, 151936, 2, False, budget, 4096, 132) == 2048
+    for rows in (1, 100, 1000):  # never above R
+        assert loss_chunk_rows(rows, 129280, 2, True, budget, 7168, 132) == rows
+    height = loss_chunk_rows(15360, 129280, 2, True, 2**20, 7168, 132)  # under 128 rows fit: a power of two
+    assert height == 2
+
+
 # ---------------------------------------------------------------------------------------------------- CUDA only
 @pytest.mark.cuda
 def test_cuda_bf16_matches_eager_and_stays_lean(monkeypatch):
