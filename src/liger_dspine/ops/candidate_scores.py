@@ -2,9 +2,10 @@
 
 The DSpine refinement loss scores each proposal's K candidates against its refined state. Written as
 ``W[ids].float() @ h`` it materialises [N, K, H] fp32 (about 880 MB for 1920 rows, K = 16, H = 7168) and autograd
-keeps it for the backward. Here one Triton program per row reads its K head rows in [K, BLOCK_H] tiles and reduces
-in fp32: the forward gives s[n, :], the backward dh[n, :] = sum_k ds[n, k] W[ids[n, k], :]. The backward needs only
-W (frozen: it gets no gradient) and the ids, so nothing of size K x H is kept. dh is returned in h's dtype.
+keeps it for the backward. Here Triton programs read the K head rows in [K, BLOCK_H] tiles and reduce in fp32: the
+forward (one program per row) gives s[n, :], the backward (one per row and block of columns)
+dh[n, :] = sum_k ds[n, k] W[ids[n, k], :]. The backward needs only W (frozen: it gets no gradient) and the ids, so
+nothing of size K x H is kept. dh is returned in h's dtype.
 Without a Triton device (CPU without the interpreter, or fp64) the same sums run in torch, a block of rows at a time.
 """
 
@@ -57,20 +58,19 @@ def _candidate_scores_backward_kernel(
     K_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """One program per (row, BLOCK_H columns): no loop, so every program's K row loads are in flight at once."""
     row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ks = tl.arange(0, K_PAD)
     in_k = ks < top_k
+    in_h = offsets < hidden_size
     ids = tl.load(ids_ptr + row * top_k + ks, mask=in_k, other=0)
     g = tl.load(grad_scores_ptr + row * top_k + ks, mask=in_k, other=0.0)
-    cols = tl.arange(0, BLOCK_H)
-    for start in range(0, hidden_size, BLOCK_H):
-        offsets = start + cols
-        in_h = offsets < hidden_size
-        w = tl.load(
-            weight_ptr + ids[:, None] * hidden_size + offsets[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0
-        ).to(tl.float32)
-        dh = tl.sum(w * g[:, None], axis=0)
-        tl.store(grad_hidden_ptr + row * hidden_size + offsets, dh.to(grad_hidden_ptr.dtype.element_ty), mask=in_h)
+    w = tl.load(
+        weight_ptr + ids[:, None] * hidden_size + offsets[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0
+    ).to(tl.float32)
+    dh = tl.sum(w * g[:, None], axis=0)
+    tl.store(grad_hidden_ptr + row * hidden_size + offsets, dh.to(grad_hidden_ptr.dtype.element_ty), mask=in_h)
 
 
 def _use_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -121,7 +121,7 @@ def _candidate_scores_backward(
     grad_hidden = torch.empty(rows, hidden_size, dtype=hidden_dtype, device=grad_scores.device)
     if use_kernel:
         if rows:
-            _candidate_scores_backward_kernel[(rows,)](
+            _candidate_scores_backward_kernel[(rows, triton.cdiv(hidden_size, _BLOCK_H))](
                 grad_scores, weight, ids, grad_hidden, hidden_size, top_k,
                 K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
             )  # fmt: skip
