@@ -148,6 +148,10 @@ class FamilyCase:
     # hyper-connection head): the patched run is held to an fp64 native run instead (see assert_trains_as_native)
     fp64_reference: bool = False
     min_transformers: str = ""  # the oldest transformers the patch supports, where older ones have the model
+    # options that the tests' patch turns on besides the defaults (swaps off by default); the swapped list includes
+    # what they swap
+    apply_options: dict = field(default_factory=dict)
+    opt_in: tuple[str, ...] = ()  # the swapped classes that only those options swap
 
     def lce_forward(self):
         return getattr(importlib.import_module(self.forwards), "lce_forward")
@@ -213,9 +217,13 @@ class FamilyCase:
         return model
 
     def apply_fn(self):
+        import functools
+
         import liger_dspine
 
-        return getattr(liger_dspine, f"apply_liger_kernel_to_{self.model_type}")
+        return functools.partial(
+            getattr(liger_dspine, f"apply_liger_kernel_to_{self.model_type}"), **self.apply_options
+        )
 
     def revert_fn(self):
         import liger_dspine
@@ -320,8 +328,8 @@ CASES = {
             liger_modules=("liger_dspine.models.deepseek_v3.attention", "liger_dspine.models.deepseek_v3.router"),
             native_kept=("Kimi_K25VisionMLP",),
         ),
-        # attention and hyper-connections native; clamped MLPs and experts, norms, the learned and hash routers, loss
-        # with the aux loss
+        # clamped MLPs and experts, norms, the learned and hash routers, the attention (opt-in), loss with the aux
+        # loss; RoPE, compressors and hyper-connections native
         FamilyCase(
             "deepseek_v4",
             "DeepseekV4",
@@ -332,14 +340,21 @@ CASES = {
                 "DeepseekV4Experts",
                 "DeepseekV4TopKRouter",
                 "DeepseekV4HashRouter",
+                "DeepseekV4Attention",
                 "DeepseekV4ForCausalLM.forward",
             ),
             mla=False,
             forwards="liger_dspine.models.deepseek_v4.forward",
-            liger_modules=("liger_dspine.models.deepseek_v4.modules", "liger_dspine.models.deepseek_v4.router"),
+            liger_modules=(
+                "liger_dspine.models.deepseek_v4.modules",
+                "liger_dspine.models.deepseek_v4.router",
+                "liger_dspine.models.deepseek_v4.attention",
+            ),
             native_kept=("DeepseekV4UnweightedRMSNorm",),
             fp64_reference=True,
             min_transformers="5.17",
+            apply_options={"attention": True},  # the sink-attention kernel, off by default
+            opt_in=("DeepseekV4Attention",),
         ),
         # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
         # scale, which past position 4 differs from 1 here

@@ -308,7 +308,9 @@ def test_a_model_missing_from_transformers_is_named():
 def test_auto_model_patches_the_classes_then_builds(case, class_level):
     from liger_dspine import AutoLigerDSpineForCausalLM
 
-    model = AutoLigerDSpineForCausalLM.from_config(case.config(), fused_linear_cross_entropy=False)
+    model = AutoLigerDSpineForCausalLM.from_config(
+        case.config(), fused_linear_cross_entropy=False, **case.apply_options
+    )
     types = {type(m) for m in model.modules()}
     assert any(issubclass(t, LigerRMSNorm) for t in types) and LigerSwiGLUMLP in types
     assert not {t for t in types if t.__name__ in case.swapped}
@@ -324,4 +326,5 @@ def test_inspect_reports_the_swaps_of_a_saved_config(case, capsys, tmp_path):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"liger-dspine patch for {case.model_type} (instance level):"
     targets = {line.split(" x")[0].strip() for line in lines[1:]}
-    assert targets == expected_targets(case, "{name} modules", "{name} of the instance")
+    opt_in = {f"{name} modules" for name in case.opt_in}  # inspect reports the default options
+    assert targets == expected_targets(case, "{name} modules", "{name} of the instance") - opt_in

@@ -35,6 +35,7 @@ from liger_dspine.ops import linear_cross_entropy
 from liger_dspine.ops import moe_router
 from liger_dspine.ops import scaled_write
 from liger_dspine.ops import silu_mul_rows
+from liger_dspine.ops import sink_attention
 from liger_dspine.ops import slot_sum
 from liger_dspine.ops import swiglu_down
 
@@ -235,6 +236,13 @@ def case_scaled_write():
     return (written, feature), [states, message, projected]
 
 
+def case_sink_attention():
+    q, kv, sinks = randn(2, 3, 20, 16, grad=True), randn(2, 25, 16, grad=True), randn(3, grad=True)
+    mask, bias = randn(1, 1, 20, 25), torch.zeros(2, 1, 20, 5)
+    out = sink_attention.liger_sink_attention(q, kv, sinks, 4, 0.25, mask=mask, bias=bias)
+    return out, [q, kv, sinks]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -263,6 +271,7 @@ CASES = {
     case_frozen_head_terms: ("frozen_head_terms", "frozen_head_terms_backward"),
     case_candidate_scores: ("candidate_scores", "candidate_scores_backward"),
     case_scaled_write: (),
+    case_sink_attention: ("sink_attention", "sink_attention_backward"),
 }
 
 

@@ -20,6 +20,7 @@ def apply_liger_kernel_to_deepseek_v4(
     moe_router: bool = True,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
+    attention: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
 
@@ -41,9 +42,13 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``; liger-kernel's fused MoE
             has no clamp, so there is no ``fused_experts`` option here.
         vocab_chunked_lce: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``.
+        attention: (keyword-only) ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention``: the attention itself
+            (sinks, sliding window, compressed entries) in Triton kernels that never hold the [S, S + C] scores;
+            the projections, RoPE and compressors around it stay native. Off by default until it has been
+            measured on a GPU.
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
-    The attention and the hyper-connections stay native.
+    The RoPE, the compressors and the hyper-connections stay native.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -61,6 +66,7 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )
+    options["attention"] = attention
     return apply_spec(DEEPSEEK_V4_SPEC, options, model)
 
 

@@ -7,9 +7,11 @@
   (``grouped_experts``).
 - ``moe_router``: the learned top-k router (sqrtsoftplus or sigmoid scores, correction bias, no groups) in the MoE
   router kernel, and the hash router's weights from its table's experts only (``models/deepseek_v4/router.py``).
+- ``attention``: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention`` (``models/deepseek_v4/attention.py``): the
+  sink-attention kernel over the sliding window and the compressed entries instead of the eager scores.
 - the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
 
-Attention (RoPE, sinks, sliding window, compressed KV) and the hyper-connections stay native.
+The RoPE, the compressors and their indexer, and the hyper-connections stay native.
 """
 
 from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
@@ -34,6 +36,9 @@ DEEPSEEK_V4_SPEC = PatchSpec(
         ),
         ClassSwap("moe_router", ("DeepseekV4TopKRouter",), f"{ROUTERS}:LigerDeepseekV4TopKRouter"),
         ClassSwap("moe_router", ("DeepseekV4HashRouter",), f"{ROUTERS}:LigerDeepseekV4HashRouter"),
+        ClassSwap(
+            "attention", ("DeepseekV4Attention",), "liger_dspine.models.deepseek_v4.attention:LigerDeepseekV4Attention"
+        ),
         *(
             MethodSwap(option, "DeepseekV4ForCausalLM", "forward", f"{FORWARDS}:{forward}")
             for option, forward in LOSS_FORWARDS

@@ -1,0 +1,95 @@
+"""DeepSeek-V4's attention with the sink-attention kernel in place of the eager scores.
+
+:class:`LigerDeepseekV4Attention` keeps the native ``__init__`` (its own norms, compressor and grouped output
+projection) and the native steps around the attention: the query and key-value projections and norms, the RoPE of
+the trailing slice, the compressor (HCA, or CSA with its indexer) and its block bias, the inverse RoPE of the output
+and the grouped low-rank output projection. Only the attention call changes: transformers' eager attention
+materialises [B, N, S, S + C] scores, probabilities and copies; :func:`liger_dspine.ops.sink_attention.
+liger_sink_attention` streams the sliding window and the compressed entries through an online softmax with the
+per-head sink and keeps an output and a log-sum-exp per row.
+
+The kernel path runs where the layer has no past (training, and the prefill of generation: the cache, if any, is
+updated as the native forward updates it), with the eager mask tensor (the sliding-window causal mask, read on the
+window only) and a head dim that is a power of two; elsewhere (decoding with a past, dropout, another attention
+implementation) the module runs the native forward.
+"""
+
+import inspect
+import sys
+
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+
+from liger_dspine._interpreter import kernel_runs_on
+
+
+class LigerDeepseekV4Attention(DeepseekV4Attention):
+    """V4 attention with :func:`liger_sink_attention`; parameters and submodules as the native class."""
+
+    native_cache_arg = (
+        "cache" if "cache" in inspect.signature(DeepseekV4Attention.forward).parameters else ("past_key_values")
+    )
+    cache_update_takes_kwargs = native_cache_arg == "cache"  # transformers 5.24 hands its kwargs to cache.update
+    modeling = sys.modules[DeepseekV4Attention.__module__]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        if cache is None:
+            cache = past_key_values
+        if not self._liger_applies(hidden_states, attention_mask, cache):
+            return super().forward(
+                hidden_states, position_embeddings, position_ids, attention_mask, **{self.native_cache_arg: cache},
+                **kwargs,
+            )  # fmt: skip
+        from liger_dspine.ops.sink_attention import liger_sink_attention
+
+        rotate = self.modeling.apply_rotary_pos_emb
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        cos, sin = (
+            position_embeddings[self.rope_layer_type]
+            if isinstance(position_embeddings, dict)
+            else (position_embeddings)
+        )
+        q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+        q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
+        q = rotate(q, cos, sin)
+        kv = rotate(self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2), cos, sin)
+        if cache is not None:  # no past here: the update stores the window and returns kv as it is
+            update_kwargs = {"kwargs": kwargs} if self.cache_update_takes_kwargs else {}
+            kv = cache.update(kv, kv, self.layer_idx, **update_kwargs)[0]
+        block_bias = None
+        if self.compressor is not None:
+            compressed_kv, block_bias = self.compressor(hidden_states, q_residual, position_ids, cache, self.layer_idx)
+            kv = torch.cat([kv, compressed_kv], dim=2)
+        attn_output = liger_sink_attention(
+            q, kv[:, 0], self.sinks, self.sliding_window, self.scaling, mask=attention_mask, bias=block_bias
+        )  # [B, S, N, D]
+        attn_output = rotate(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = self.o_a_proj(attn_output.reshape(*input_shape, self.config.o_groups, -1)).flatten(2)
+        return self.o_b_proj(grouped), None
+
+    def _liger_applies(self, hidden_states: torch.Tensor, attention_mask, cache) -> bool:
+        """No past in the cache, no attention dropout in training, the eager implementation's float mask tensor, a
+        head dim the kernel takes, and a device the Triton kernels run on."""
+        from liger_dspine.ops.sink_attention import _sink_attention_forward_kernel
+
+        head_dim = self.head_dim
+        return (
+            (cache is None or cache.get_seq_length(self.layer_idx) == 0)
+            and not (self.training and self.attention_dropout > 0)
+            and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.is_floating_point()
+            and attention_mask.dim() == 4
+            and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0
+            and kernel_runs_on(hidden_states, _sink_attention_forward_kernel)
+        )
