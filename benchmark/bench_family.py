@@ -1,6 +1,8 @@
 """DeepSeek-family training-step benchmark on one GPU: native transformers ("hf"), liger-kernel ("liger", where it
 has a patch for the model) and liger-dspine, at 2 layers of real widths (family_configs.py): DeepSeek-V2-Lite-like
-and GLM-4.7-Flash-like at 4096 and 16384 tokens, DeepSeek-V3.2-like at 4096 and 8192.
+and GLM-4.7-Flash-like at 4096 and 16384 tokens, DeepSeek-V3.2-like at 4096 and 8192; DeepSeek-V4-Flash-like at 3
+layers (sliding window, CSA, HCA; hash and learned routers), 4096 and 8192, liger-dspine with its opt-in attention
+kernel.
 
 The engine is bench_deepseek_v3.py's: one process per configuration, two warm-ups (the first timed from the built
 model: first_step_s), the mean of three timed steps, peak memory over them, the loss of the last step (same model
@@ -26,6 +28,9 @@ from bench_deepseek_v3 import Job
 from bench_deepseek_v3 import _job_row
 from bench_deepseek_v3 import run_child
 from family_configs import FAMILY
+from family_configs import LAYER_PLANS
+from family_configs import LIGER_DSPINE_OPTIONS
+from family_configs import family_layers
 from family_configs import liger_kernel_serves
 from family_configs import why_not_available
 from family_report import family_markdown
@@ -52,11 +57,18 @@ def run(args) -> int:
         why = why_not_available(model, args.tiny)
         if why:
             logger.warning("skipping %s: %s", model, why)
-            rows.append(dict(kind="throughput", model=model, impl="-", layers=LAYERS, seq=0, status=f"skipped: {why}"))
+            rows.append(
+                dict(kind="throughput", model=model, impl="-", layers=family_layers(model, LAYERS), seq=0,
+                     status=f"skipped: {why}")
+            )  # fmt: skip
             continue
+        if model in LAYER_PLANS:
+            logger.info("%s layer plan: %s", model, LAYER_PLANS[model])
         for seq in _lengths(model, args):
             for impl in impls:
-                job = Job("throughput", impl, impl, LAYERS, TINY_SEQ[seq] if args.tiny else seq, {}, model)
+                options = LIGER_DSPINE_OPTIONS.get(model, {}) if impl == "liger-dspine" else {}
+                seq_len = TINY_SEQ[seq] if args.tiny else seq
+                job = Job("throughput", impl, impl, family_layers(model, LAYERS), seq_len, options, model)
                 remaining = args.budget_s - (time.monotonic() - started)
                 if impl == "liger" and not liger_kernel_serves(model):
                     rows.append(_job_row(job, status="unsupported: liger-kernel has no patch for this model"))

@@ -78,16 +78,38 @@ DEEPSEEK_V32_SLIM = dict(
     index_topk=2048,
 )
 
+# DeepSeek-V4-Flash: the config's defaults (hidden 4096, 64 heads of width 512 on one shared key-value head, window
+# 128, CSA rate 4 with a top-512 indexer, HCA rate 128, 4 hyper-connection streams, top-6 routing) with 16 routed
+# experts; the layer plan (LAYER_PLANS) has one layer of each attention kind and both router kinds.
+DEEPSEEK_V4_SLIM = dict(n_routed_experts=16)
+
 # model type -> (what it stands for, ForCausalLM class prefix, real widths, token counts benchmarked)
 FAMILY = {
     "deepseek_v2": ("DeepSeek-V2-Lite-like", "DeepseekV2", DEEPSEEK_V2_LITE, (4096, 16384)),
     "glm4_moe_lite": ("GLM-4.7-Flash-like", "Glm4MoeLite", GLM_47_FLASH, (4096, 16384)),
     "deepseek_v32": ("DeepSeek-V3.2-like", "DeepseekV32", DEEPSEEK_V32_SLIM, (4096, 8192)),
+    "deepseek_v4": ("DeepSeek-V4-Flash-like", "DeepseekV4", DEEPSEEK_V4_SLIM, (4096, 8192)),
 }
+# models benchmarked at another depth than 2 layers, with their per-layer plan
+LAYER_PLANS = {
+    "deepseek_v4": dict(
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+    ),
+}
+# liger-dspine options of the benchmark beyond the defaults (swaps that are opt-in)
+LIGER_DSPINE_OPTIONS = {"deepseek_v4": {"attention": True}}
+
+
+def family_layers(model: str, default: int = 2) -> int:
+    plan = LAYER_PLANS.get(model)
+    return len(plan["layer_types"]) if plan else default
 
 
 def _mlp_layout(model: str, layers: int) -> dict:
-    """The first layer dense, the rest MoE, in the form the config class takes."""
+    """The first layer dense, the rest MoE, in the form the config class takes (or the model's layer plan)."""
+    if model in LAYER_PLANS:
+        return dict(LAYER_PLANS[model])
     if model == "deepseek_v2":
         return {}  # first_k_dense_replace=1 is in the widths
     return dict(first_k_dense_replace=1, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))

@@ -12,6 +12,8 @@ def forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
     (q.k and p.v over a causal context of seq_len / 2 on average), ``dense_mlp``, ``router``, ``routed_experts``
     (top-k active experts), ``shared_experts``, ``lm_head``.
     """
+    if getattr(config, "model_type", "") == "deepseek_v4":
+        return _deepseek_v4_forward_macs_per_token(config, seq_len)
     hidden = config.hidden_size
     heads = config.num_attention_heads
     qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -38,6 +40,31 @@ def forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
         "router": moe_layers * hidden * experts,
         "routed_experts": moe_layers * config.num_experts_per_tok * expert_mlp,
         "shared_experts": moe_layers * config.n_shared_experts * expert_mlp,
+        "lm_head": hidden * config.vocab_size,
+    }
+
+
+def _deepseek_v4_forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
+    """DeepSeek-V4: q down / up, the shared key-value projection, the grouped low-rank output projection; scores
+    over the sliding window and, in compressed layers, over about seq_len / (2 rate) compressed entries; every layer
+    MoE. The compressors, the CSA indexer and the hyper-connections are left out."""
+    hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+    layers = config.num_hidden_layers
+    q_proj = hidden * config.q_lora_rank + config.q_lora_rank * heads * head_dim
+    out_proj = heads * head_dim * config.o_lora_rank + config.o_groups * config.o_lora_rank * hidden
+    projections = layers * (q_proj + hidden * head_dim + out_proj)
+    keys = 0.0
+    for kind in config.layer_types[:layers]:
+        keys += min(config.sliding_window, seq_len / 2)
+        rate = config.compress_rates.get(kind) if kind != "sliding_attention" else None
+        keys += seq_len / (2 * rate) if rate else 0.0
+    expert_mlp = 3 * hidden * config.moe_intermediate_size
+    return {
+        "attention_projections": projections,
+        "attention_scores": heads * 2 * head_dim * keys,
+        "router": layers * hidden * config.n_routed_experts,
+        "routed_experts": layers * config.num_experts_per_tok * expert_mlp,
+        "shared_experts": layers * config.n_shared_experts * expert_mlp,
         "lm_head": hidden * config.vocab_size,
     }
 

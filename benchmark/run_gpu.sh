@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | profile-family | bench-family | bench-family-v32 | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | profile-family | bench-family | bench-family-v32 | bench-family-v4 | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -164,6 +164,9 @@ for step in "$@"; do
     # replace its old ones, so the two steps fill one table (bench-family-v32 needs NEW_TRANSFORMERS=1)
     bench-family) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v2,glm4_moe_lite ;;
     bench-family-v32) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v32 ;;
+    # DeepSeek-V4-Flash-like at 3 layers (needs NEW_TRANSFORMERS=1 for 5.24's V4, or 5.17's); liger-dspine with its
+    # opt-in attention kernel
+    bench-family-v4) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v4 ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;

@@ -1,6 +1,7 @@
 """``benchmark/bench_family.py --tiny``: the DeepSeek-family benchmark's plumbing on CPU. DeepSeek-V2 runs through
 all three implementations (one process each); a second run adds GLM-4.7-Flash's liger-kernel row (no patch there: no
-process) and DeepSeek-V3.2 (skipped with its reason while liger-dspine or transformers lacks it) to the same CSV."""
+process) and DeepSeek-V3.2 (skipped with its reason while liger-dspine or transformers lacks it) to the same CSV; a
+third adds DeepSeek-V4 at its 3-layer plan, liger-dspine with the opt-in attention kernel."""
 
 import csv
 import subprocess
@@ -24,6 +25,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_family")
     _run(out, "--models", "deepseek_v2")
     _run(out, "--models", "glm4_moe_lite,deepseek_v32", "--impls", "liger")
+    _run(out, "--models", "deepseek_v4", "--impls", "hf,liger-dspine")
     with open(out / "tiny_family.csv") as f:
         rows = list(csv.DictReader(f))
     return rows, (out / "tiny_family.md").read_text()
@@ -49,3 +51,17 @@ def test_second_run_keeps_the_first_runs_rows_and_says_why_not(tiny_run):
     assert len(v32) == 1 and v32[0]["status"].startswith(("skipped: ", "unsupported: ")), v32
     assert "| deepseek_v2 (DeepSeek-V2-Lite-like) | 16 |" in report
     assert "dspine/hf speed" in report and "dspine/liger peak" in report and "deepseek_v2 goals:" in report
+
+
+def test_deepseek_v4_runs_its_layer_plan_with_the_attention_kernel(tiny_run):
+    rows, report = tiny_run
+    steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v4"}
+    if not steps or steps.get("-"):
+        pytest.skip("this transformers has no deepseek_v4")
+    assert sorted(steps) == ["hf", "liger-dspine"]
+    for impl, row in steps.items():
+        assert row["status"] == "ok", (impl, row["status"])
+        assert (row["layers"], row["seq"]) == ("3", "16"), impl
+    assert '"attention": true' in steps["liger-dspine"]["options"] and steps["hf"]["options"] == "{}"
+    assert abs(float(steps["liger-dspine"]["loss"]) - float(steps["hf"]["loss"])) < 1e-4
+    assert "deepseek_v4 goals: speed >= 1.5x hf" in report
