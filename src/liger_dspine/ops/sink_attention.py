@@ -16,7 +16,8 @@ tiles, which are loaded once for all of them. The sliding part visits only the k
 Backward, with delta = rowsum(dO * out) (the sink has no value, so it adds nothing to it):
 - dq = scale * sum_t p_t (dO.kv_t - delta) kv_t, a program per query tile as in the forward;
 - dkv_t = sum over heads and queries of p_t dO + scale p_t (dO.kv_t - delta) q (key and value are one tensor, so
-  both gradients add up), a program per key tile, looping over the heads and the queries that see it;
+  both gradients add up), a program per key tile and head group (and chunk of queries, for the compressed entries
+  that every query may see), added up in fp32 with atomics: its sums are not bitwise deterministic;
 - dsink_h = -sum_i exp(sink_h - lse_i) delta_i, in torch.
 The mask and the bias get no gradient. Scores, softmax and accumulation run in fp32; the products take the
 inputs' dtype, as a flash attention does.
@@ -30,6 +31,7 @@ from liger_dspine._interpreter import check_kernel_device
 
 BLOCK_Q = 16
 BLOCK_N = 32
+QUERY_CHUNK = 256  # queries per program of a compressed key tile's backward
 
 
 @triton.jit
@@ -192,9 +194,12 @@ def _sink_attention_dkv_kernel(
     stride_ob, stride_os, stride_oh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    QUERY_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """dkv [B, S + C, D] (kv's strides): a program per tile of BLOCK_N keys, the sliding tiles first."""
-    batch = tl.program_id(1).to(tl.int64)
+    """Adds into dkv [B, S + C, D] fp32 (contiguous, zeroed) the share of one head group (program_id 1) in one key
+    tile (program_id 0): a sliding tile with the queries that see it, or a compressed tile with one chunk of
+    QUERY_CHUNK queries (every query may see a compressed entry, so those tiles are split along the queries)."""
+    batch = tl.program_id(2).to(tl.int64)
     tile = tl.program_id(0)
     sliding_tiles = tl.cdiv(seq_len, BLOCK_N)
     sliding = tile < sliding_tiles
@@ -205,54 +210,56 @@ def _sink_attention_dkv_kernel(
         query_start = ((tile * BLOCK_N) // BLOCK_Q) * BLOCK_Q  # the queries that can see these keys
         query_end = tl.minimum(tile * BLOCK_N + BLOCK_N + window - 1, seq_len)
     else:
-        keys = (tile - sliding_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        chunks = tl.cdiv(seq_len, QUERY_CHUNK)
+        keys = ((tile - sliding_tiles) // chunks) * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < num_compressed
         rows_of_kv = seq_len + keys
-        query_start = tile * 0
-        query_end = seq_len + tile * 0
+        query_start = ((tile - sliding_tiles) % chunks) * QUERY_CHUNK
+        query_end = tl.minimum(query_start + QUERY_CHUNK, seq_len)
     dims = tl.arange(0, HEAD_DIM)
-    kv_offsets = batch * stride_kvb + rows_of_kv[:, None] * stride_kvt + dims[None, :]
-    kv = tl.load(kv_ptr + kv_offsets, mask=key_ok[:, None], other=0.0)
+    kv = tl.load(
+        kv_ptr + batch * stride_kvb + rows_of_kv[:, None] * stride_kvt + dims[None, :], mask=key_ok[:, None], other=0.0
+    )
     mask_base = mask_ptr + batch * stride_mb
     bias_base = bias_ptr + batch * stride_bb
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     rows = tl.arange(0, BLOCK_Q * GROUP_H)
-    for head_start in range(0, num_heads, GROUP_H):
-        heads = head_start + rows // BLOCK_Q
-        for block_start in range(query_start, query_end, BLOCK_Q):
-            queries = block_start + rows % BLOCK_Q
-            row_ok = (queries < seq_len) & (heads < num_heads)
-            q = tl.load(
-                q_ptr + batch * stride_qb + heads[:, None] * stride_qh + queries[:, None] * stride_qs + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            grad_out = tl.load(
-                grad_out_ptr
-                + batch * stride_ob
-                + queries[:, None] * stride_os
-                + heads[:, None] * stride_oh
-                + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            stats = (batch * num_heads + heads) * seq_len + queries
-            lse = tl.load(lse_ptr + stats, mask=row_ok, other=0.0)
-            delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-            if sliding:
-                scores = _tile_scores(
-                    q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-                    SLIDING=True, HAS_ADDEND=HAS_MASK,
-                )  # fmt: skip
-            else:
-                scores = _tile_scores(
-                    q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-                    SLIDING=False, HAS_ADDEND=HAS_BIAS,
-                )  # fmt: skip
-            p = tl.exp(scores - lse[:, None])
-            grad_scores = p * (tl.dot(grad_out, tl.trans(kv)) - delta[:, None]) * scale
-            acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out) + tl.dot(tl.trans(grad_scores.to(q.dtype)), q)
-    tl.store(grad_kv_ptr + kv_offsets, acc.to(grad_kv_ptr.dtype.element_ty), mask=key_ok[:, None])
+    heads = tl.program_id(1) * GROUP_H + rows // BLOCK_Q
+    for block_start in range(query_start, query_end, BLOCK_Q):
+        queries = block_start + rows % BLOCK_Q
+        row_ok = (queries < query_end) & (heads < num_heads)
+        q = tl.load(
+            q_ptr + batch * stride_qb + heads[:, None] * stride_qh + queries[:, None] * stride_qs + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        grad_out = tl.load(
+            grad_out_ptr
+            + batch * stride_ob
+            + queries[:, None] * stride_os
+            + heads[:, None] * stride_oh
+            + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        stats = (batch * num_heads + heads) * seq_len + queries
+        lse = tl.load(lse_ptr + stats, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
+        if sliding:
+            scores = _tile_scores(
+                q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
+                SLIDING=True, HAS_ADDEND=HAS_MASK,
+            )  # fmt: skip
+        else:
+            scores = _tile_scores(
+                q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
+                SLIDING=False, HAS_ADDEND=HAS_BIAS,
+            )  # fmt: skip
+        p = tl.exp(scores - lse[:, None])
+        grad_scores = p * (tl.dot(grad_out, tl.trans(kv)) - delta[:, None]) * scale
+        acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out) + tl.dot(tl.trans(grad_scores.to(q.dtype)), q)
+    out = grad_kv_ptr + (batch * (seq_len + num_compressed) + rows_of_kv[:, None]) * HEAD_DIM + dims[None, :]
+    tl.atomic_add(out, acc, mask=key_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------------ host side
@@ -339,7 +346,7 @@ def _sink_attention_backward(
     """(dq like q, dkv like kv); grad_out [B, S, N, D] contiguous, delta [B, N, S] fp32."""
     batch, num_heads, seq_len, head_dim = q.shape
     grad_q = torch.empty_like(q)
-    grad_kv = torch.empty_like(kv)
+    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # head groups add into it
     mask_arg, bias_arg, sizes, strides, flags = _launch_arguments(q, kv, mask, bias, seq_len, window, scale)
     out_strides = (grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
     grid = (triton.cdiv(seq_len, BLOCK_Q), triton.cdiv(num_heads, flags["GROUP_H"]), batch)
@@ -347,12 +354,13 @@ def _sink_attention_backward(
         q, kv, mask_arg, bias_arg, grad_out, lse, delta, grad_q, *sizes, *strides, *out_strides,
         **flags, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
     )  # fmt: skip
-    key_tiles = triton.cdiv(seq_len, BLOCK_N) + triton.cdiv(kv.shape[1] - seq_len, BLOCK_N)
-    _sink_attention_dkv_kernel[(key_tiles, batch)](
+    key_tiles = triton.cdiv(seq_len, BLOCK_N)
+    key_tiles += triton.cdiv(kv.shape[1] - seq_len, BLOCK_N) * triton.cdiv(seq_len, QUERY_CHUNK)
+    _sink_attention_dkv_kernel[(key_tiles, grid[1], batch)](
         q, kv, mask_arg, bias_arg, grad_out, lse, delta, grad_kv, *sizes, *strides, *out_strides,
-        **flags, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
+        **flags, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim, QUERY_CHUNK=QUERY_CHUNK,
     )  # fmt: skip
-    return grad_q, grad_kv
+    return grad_q, grad_kv.to(kv.dtype)
 
 
 @_sink_attention_backward.register_fake
@@ -410,6 +418,8 @@ def liger_sink_attention(
             f"liger-dspine: sink attention expects kv [B, S + C, D] = [{batch}, >= {seq_len}, {head_dim}], got "
             f"{tuple(kv.shape)}"
         )
+    if kv.dtype != q.dtype:
+        raise ValueError(f"liger-dspine: sink attention expects q and kv in one dtype, got {q.dtype} and {kv.dtype}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"liger-dspine: sink attention needs a head dim that is a power of two >= 16, got {head_dim}")
     if tuple(sinks.shape) != (num_heads,):

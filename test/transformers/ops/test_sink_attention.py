@@ -78,10 +78,26 @@ def test_mask_wider_than_the_sequence_and_broadcast_over_the_batch(device):
         torch.testing.assert_close(grad, ref_grad, atol=5e-5, rtol=5e-5)
 
 
+def test_compressed_backward_split_in_query_chunks(device, monkeypatch):
+    """The compressed tiles' backward in chunks of 16 queries (37 queries: 3 chunks, the last ragged), the head groups'
+    shares added up."""
+    from liger_dspine.ops import sink_attention
+
+    monkeypatch.setattr(sink_attention, "QUERY_CHUNK", 16)
+    q, kv, sinks, bias, mask = make_inputs(device, torch.float32, 16, compressed=40, heads=5)
+    out, grads = run(liger_sink_attention, q, kv, sinks, 7, 0.25, mask=mask, bias=bias)
+    ref, ref_grads = run(eager_sink_attention, q, kv, sinks, 7, 0.25, mask=mask, bias=bias)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, atol=5e-5, rtol=5e-5)
+
+
 def test_bad_arguments_are_named(device):
     q, kv, sinks, bias, mask = make_inputs(device, torch.float32, 16)
     with pytest.raises(ValueError, match="kv"):
         liger_sink_attention(q, kv[..., :8], sinks, 4, 0.25)
+    with pytest.raises(ValueError, match="one dtype"):
+        liger_sink_attention(q, kv.double(), sinks, 4, 0.25)
     with pytest.raises(ValueError, match="power of two"):
         liger_sink_attention(q[..., :12], kv[..., :12], sinks, 4, 0.25)
     with pytest.raises(ValueError, match="sinks"):
