@@ -341,6 +341,7 @@ CASES = {
                 "DeepseekV4TopKRouter",
                 "DeepseekV4HashRouter",
                 "DeepseekV4Attention",
+                "DeepseekV4DecoderLayer",
                 "DeepseekV4ForCausalLM.forward",
             ),
             mla=False,
@@ -349,12 +350,14 @@ CASES = {
                 "liger_dspine.models.deepseek_v4.modules",
                 "liger_dspine.models.deepseek_v4.router",
                 "liger_dspine.models.deepseek_v4.attention",
+                "liger_dspine.models.deepseek_v4.hyper_connections",
             ),
             native_kept=("DeepseekV4UnweightedRMSNorm",),
             fp64_reference=True,
             min_transformers="5.17",
-            apply_options={"attention": True},  # the sink-attention kernel, off by default
-            opt_in=("DeepseekV4Attention",),
+            # the sink-attention and mHC kernels, off by default
+            apply_options={"attention": True, "hyper_connections": True},
+            opt_in=("DeepseekV4Attention", "DeepseekV4DecoderLayer"),
         ),
         # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
         # scale, which past position 4 differs from 1 here

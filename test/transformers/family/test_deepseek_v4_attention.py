@@ -16,7 +16,12 @@ from tiny_family import CASES  # noqa: E402
 
 CASE = CASES["deepseek_v4"]
 ONLY_ATTENTION = dict(
-    fused_linear_cross_entropy=False, rms_norm=False, swiglu=False, moe_router=False, grouped_experts=False
+    fused_linear_cross_entropy=False,
+    rms_norm=False,
+    swiglu=False,
+    moe_router=False,
+    grouped_experts=False,
+    hyper_connections=False,
 )
 
 

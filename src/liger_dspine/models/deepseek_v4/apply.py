@@ -21,6 +21,7 @@ def apply_liger_kernel_to_deepseek_v4(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     attention: bool = False,
+    hyper_connections: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
 
@@ -46,9 +47,12 @@ def apply_liger_kernel_to_deepseek_v4(
             (sinks, sliding window, compressed entries) in Triton kernels that never hold the [S, S + C] scores;
             the projections, RoPE and compressors around it stay native. Off by default until it has been
             measured on a GPU.
+        hyper_connections: (keyword-only) ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``: each
+            layer's two hyper-connection mixes (coefficients with their Sinkhorn normalisation, collapse, expand and
+            mix) in liger-kernel's mHC kernels. Off by default until it has been measured on a GPU.
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
-    The RoPE, the compressors and the hyper-connections stay native.
+    The RoPE, the compressors and the final hyper-connection head stay native.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -66,7 +70,7 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )
-    options["attention"] = attention
+    options.update(attention=attention, hyper_connections=hyper_connections)
     return apply_spec(DEEPSEEK_V4_SPEC, options, model)
 
 

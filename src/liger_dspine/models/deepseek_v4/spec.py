@@ -9,9 +9,12 @@
   router kernel, and the hash router's weights from its table's experts only (``models/deepseek_v4/router.py``).
 - ``attention``: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention`` (``models/deepseek_v4/attention.py``): the
   sink-attention kernel over the sliding window and the compressed entries instead of the eager scores.
+- ``hyper_connections``: ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``
+  (``models/deepseek_v4/hyper_connections.py``): the two hyper-connection mixes of each layer in liger-kernel's mHC
+  kernels.
 - the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
 
-The RoPE, the compressors and their indexer, and the hyper-connections stay native.
+The RoPE, the compressors and their indexer, and the final ``DeepseekV4HyperHead`` stay native.
 """
 
 from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
@@ -38,6 +41,11 @@ DEEPSEEK_V4_SPEC = PatchSpec(
         ClassSwap("moe_router", ("DeepseekV4HashRouter",), f"{ROUTERS}:LigerDeepseekV4HashRouter"),
         ClassSwap(
             "attention", ("DeepseekV4Attention",), "liger_dspine.models.deepseek_v4.attention:LigerDeepseekV4Attention"
+        ),
+        ClassSwap(
+            "hyper_connections",
+            ("DeepseekV4DecoderLayer",),
+            "liger_dspine.models.deepseek_v4.hyper_connections:LigerDeepseekV4DecoderLayer",
         ),
         *(
             MethodSwap(option, "DeepseekV4ForCausalLM", "forward", f"{FORWARDS}:{forward}")

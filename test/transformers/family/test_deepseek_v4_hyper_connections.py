@@ -1,0 +1,100 @@
+"""DeepSeek-V4's hyper-connections in liger-kernel's mHC kernels (``apply_liger_kernel_to_deepseek_v4(
+hyper_connections=True)``) against the native layer: the coefficients of one ``DeepseekV4HyperConnection`` and the
+mix around a block, then a training step of a tiny V4 with only that swap, against an fp64 native run; fp32 on a CPU
+through Triton's interpreter."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from test_deepseek_v4_attention import distances  # noqa: E402
+from test_deepseek_v4_attention import losses_and_grads  # noqa: E402
+
+from tiny_family import CASES  # noqa: E402
+
+CASE = CASES["deepseek_v4"]
+ONLY_HYPER_CONNECTIONS = dict(
+    fused_linear_cross_entropy=False,
+    rms_norm=False,
+    swiglu=False,
+    moe_router=False,
+    grouped_experts=False,
+    attention=False,
+    hyper_connections=True,
+)
+
+
+def build_pair():
+    native = CASE.build()
+    with torch.no_grad():  # away from the initial values (scale 1), so that a scale mixed up would show
+        for module in native.modules():
+            if hasattr(module, "hc_sinkhorn_iters"):
+                module.scale.uniform_(0.5, 1.5)
+                module.base.normal_(0.0, 0.5)
+    patched = copy.deepcopy(native)
+    CASE.apply_fn()(model=patched, **ONLY_HYPER_CONNECTIONS)
+    return native, patched
+
+
+def test_coefficients_and_mix_match_the_native_connection():
+    from liger_dspine.models.deepseek_v4.hyper_connections import _coefficients
+    from liger_dspine.models.deepseek_v4.hyper_connections import _mix
+
+    native, _ = build_pair()
+    layer = CASE.decoder_of(native).layers[1]
+    streams = torch.randn(2, 7, CASE.config().hc_mult, CASE.config().hidden_size)
+    post, comb, collapsed = layer.attn_hc(streams)
+    pre, liger_post, liger_comb = _coefficients(layer.attn_hc, streams)
+    torch.testing.assert_close(liger_post, post, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(liger_comb, comb, atol=1e-6, rtol=1e-5)
+
+    block = torch.nn.Linear(streams.shape[-1], streams.shape[-1])
+    expected = post.unsqueeze(-1) * block(collapsed).unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+    torch.testing.assert_close(_mix(streams, block, layer.attn_hc, torch.nn.Identity()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_training_step_matches_native(monkeypatch):
+    from liger_kernel.transformers import functional
+
+    from liger_dspine.models.deepseek_v4.hyper_connections import LigerDeepseekV4DecoderLayer
+
+    native, patched = build_pair()
+    layers = CASE.decoder_of(patched).layers
+    assert all(type(layer) is LigerDeepseekV4DecoderLayer for layer in layers)
+    calls, original = [], functional.liger_mhc_coeffs
+    monkeypatch.setattr(functional, "liger_mhc_coeffs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    input_ids = torch.randint(0, CASE.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    patched_run = losses_and_grads(patched, input_ids)
+    assert len(calls) == 2 * len(layers)  # both mixes of every layer ran the kernels
+    reference = copy.deepcopy(native).double()
+    reference.set_experts_implementation("eager")
+    exact = losses_and_grads(reference, input_ids)
+    native_errors, patched_errors = distances(losses_and_grads(native, input_ids), exact), distances(patched_run, exact)
+    assert max(patched_errors.values()) <= max(1e-5, 4 * max(native_errors.values())), (native_errors, patched_errors)
+    for name in ("fn", "base", "scale"):  # the connections' own parameters get their gradients
+        assert all(patched_run[1][f"model.layers.{i}.attn_hc.{name}"].abs().max() > 0 for i in range(len(layers)))
+
+
+def test_compiled_layer_runs_the_native_forward(monkeypatch):
+    """liger-kernel's mHC functions are no registered ops: under torch.compile the layer is the native one."""
+    from liger_dspine.models.deepseek_v4.hyper_connections import LigerDeepseekV4DecoderLayer
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not LigerDeepseekV4DecoderLayer._liger_applies(torch.zeros(1))
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_training_step_close_to_fp32():
+    native, patched = build_pair()
+    reference = copy.deepcopy(native).cuda()
+    native, patched = native.cuda().bfloat16(), patched.cuda().bfloat16()
+    input_ids = torch.randint(0, CASE.vocab_size, (2, 64), generator=torch.Generator().manual_seed(3)).cuda()
+    exact = losses_and_grads(reference, input_ids)
+    native_error = max(distances(losses_and_grads(native, input_ids), exact).values())
+    liger_error = max(distances(losses_and_grads(patched, input_ids), exact).values())
+    assert liger_error <= max(1.25 * native_error, 2**-7), (native_error, liger_error)
