@@ -165,7 +165,7 @@ for step in "$@"; do
     bench-family) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v2,glm4_moe_lite ;;
     bench-family-v32) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v32 ;;
     # DeepSeek-V4-Flash-like at 3 layers (needs NEW_TRANSFORMERS=1 for 5.24's V4, or 5.17's); liger-dspine with its
-    # opt-in attention kernel
+    # opt-in attention kernel and hyper-connections
     bench-family-v4) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v4 ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
