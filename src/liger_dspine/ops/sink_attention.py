@@ -38,11 +38,11 @@ QUERY_CHUNK = 256  # queries per program of a compressed key tile's backward
 def _tile_scores(
     q, kv, keys, key_ok, queries, row_ok, scale, window,
     mask_ptr, stride_mq, bias_ptr, stride_bq,
-    SLIDING: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_ADDEND: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """scale q.kv^T for a [ROWS, BLOCK_N] tile, plus the mask (sliding keys) or the bias (compressed keys); -inf
     where a row may not see a key. mask_ptr / bias_ptr point at this batch's [S, *] plane."""
-    scores = tl.dot(q, tl.trans(kv)) * scale
+    scores = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
     visible = row_ok[:, None] & key_ok[None, :]
     if SLIDING:
         visible = visible & (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - window)
@@ -63,6 +63,7 @@ def _sink_attention_forward_kernel(
     stride_ob, stride_os, stride_oh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     batch = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_Q * GROUP_H)
@@ -91,13 +92,13 @@ def _sink_attention_forward_kernel(
         kv = tl.load(kv_base + keys[:, None] * stride_kvt + dims[None, :], mask=key_ok[:, None], other=0.0)
         scores = _tile_scores(
             q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-            SLIDING=True, HAS_ADDEND=HAS_MASK,
+            SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
         )  # fmt: skip
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         p = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(running_max - new_max)
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
         running_max = new_max
     for entry_start in range(0, num_compressed, BLOCK_N):
         entries = entry_start + tl.arange(0, BLOCK_N)
@@ -107,13 +108,13 @@ def _sink_attention_forward_kernel(
         )
         scores = _tile_scores(
             q, kv, entries, entry_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-            SLIDING=False, HAS_ADDEND=HAS_BIAS,
+            SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
         )  # fmt: skip
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         p = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(running_max - new_max)
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
         running_max = new_max
 
     out = acc / running_sum[:, None]
@@ -134,6 +135,7 @@ def _sink_attention_dq_kernel(
     stride_ob, stride_os, stride_oh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq [B, N, S, D] (q's strides); grad_out has out's [B, S, N, D] strides (stride_o*)."""
     batch = tl.program_id(2).to(tl.int64)
@@ -165,11 +167,11 @@ def _sink_attention_dq_kernel(
         kv = tl.load(kv_base + keys[:, None] * stride_kvt + dims[None, :], mask=key_ok[:, None], other=0.0)
         scores = _tile_scores(
             q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-            SLIDING=True, HAS_ADDEND=HAS_MASK,
+            SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
         )  # fmt: skip
         p = tl.exp(scores - lse[:, None])
-        grad_scores = p * (tl.dot(grad_out, tl.trans(kv)) - delta[:, None])
-        acc += tl.dot(grad_scores.to(kv.dtype), kv)
+        grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None])
+        acc += tl.dot(grad_scores.to(kv.dtype), kv, input_precision=PRECISION)
     for entry_start in range(0, num_compressed, BLOCK_N):
         entries = entry_start + tl.arange(0, BLOCK_N)
         entry_ok = entries < num_compressed
@@ -178,11 +180,11 @@ def _sink_attention_dq_kernel(
         )
         scores = _tile_scores(
             q, kv, entries, entry_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-            SLIDING=False, HAS_ADDEND=HAS_BIAS,
+            SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
         )  # fmt: skip
         p = tl.exp(scores - lse[:, None])
-        grad_scores = p * (tl.dot(grad_out, tl.trans(kv)) - delta[:, None])
-        acc += tl.dot(grad_scores.to(kv.dtype), kv)
+        grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None])
+        acc += tl.dot(grad_scores.to(kv.dtype), kv, input_precision=PRECISION)
     tl.store(grad_q_ptr + q_offsets, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -194,7 +196,7 @@ def _sink_attention_dkv_kernel(
     stride_ob, stride_os, stride_oh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_Q: tl.constexpr, GROUP_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    QUERY_CHUNK: tl.constexpr,
+    QUERY_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Adds into dkv [B, S + C, D] fp32 (contiguous, zeroed) the share of one head group (program_id 1) in one key
     tile (program_id 0): a sliding tile with the queries that see it, or a compressed tile with one chunk of
@@ -248,16 +250,17 @@ def _sink_attention_dkv_kernel(
         if sliding:
             scores = _tile_scores(
                 q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-                SLIDING=True, HAS_ADDEND=HAS_MASK,
+                SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
             )  # fmt: skip
         else:
             scores = _tile_scores(
                 q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-                SLIDING=False, HAS_ADDEND=HAS_BIAS,
+                SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
             )  # fmt: skip
         p = tl.exp(scores - lse[:, None])
-        grad_scores = p * (tl.dot(grad_out, tl.trans(kv)) - delta[:, None]) * scale
-        acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out) + tl.dot(tl.trans(grad_scores.to(q.dtype)), q)
+        grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None]) * scale
+        acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out, input_precision=PRECISION)
+        acc += tl.dot(tl.trans(grad_scores.to(q.dtype)), q, input_precision=PRECISION)
     out = grad_kv_ptr + (batch * (seq_len + num_compressed) + rows_of_kv[:, None]) * HEAD_DIM + dims[None, :]
     tl.atomic_add(out, acc, mask=key_ok[:, None])
 
@@ -294,7 +297,11 @@ def _launch_arguments(q, kv, mask, bias, seq_len, window, scale):
             HAS_BIAS=bias is not None,
             BLOCK_Q=BLOCK_Q,
             GROUP_H=_group_heads(num_heads, q.shape[3]),
+            # fp32 inputs keep fp32 products (Triton's default for them on a GPU is TF32)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=8 if q.shape[3] >= 256 else 4,
+            # wide heads: two stages of the looped [BLOCK, D] tiles keep the shared memory within an H100 / H200's
+            num_stages=2 if q.shape[3] >= 256 else 3,
         ),
     )
 
