@@ -38,6 +38,7 @@ from liger_dspine.ops import silu_mul_rows
 from liger_dspine.ops import sink_attention
 from liger_dspine.ops import slot_sum
 from liger_dspine.ops import swiglu_down
+from liger_dspine.ops import trailing_rope
 
 NAMESPACE = "liger_dspine::"
 # Functions whose backward cannot run on fake tensors; they never reach a compiled graph (see their docstrings).
@@ -243,6 +244,13 @@ def case_sink_attention():
     return out, [q, kv, sinks]
 
 
+def case_trailing_rope():
+    x = randn(2, 3, 4, 16, grad=True)
+    cos, sin = randn(1, 3, 4), randn(1, 3, 4)
+    normed = trailing_rope.liger_trailing_rope(x, cos, sin, eps=1e-6)
+    return (normed, trailing_rope.liger_trailing_rope(x, cos, sin)), [x]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -272,6 +280,7 @@ CASES = {
     case_candidate_scores: ("candidate_scores", "candidate_scores_backward"),
     case_scaled_write: (),
     case_sink_attention: ("sink_attention", "sink_attention_backward"),
+    case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),
 }
 
 

@@ -1,12 +1,15 @@
 """DeepSeek-V4's attention with the sink-attention kernel in place of the eager scores.
 
 :class:`LigerDeepseekV4Attention` keeps the native ``__init__`` (its own norms, compressor and grouped output
-projection) and the native steps around the attention: the query and key-value projections and norms, the RoPE of
-the trailing slice, the compressor (HCA, or CSA with its indexer) and its block bias, the inverse RoPE of the output
-and the grouped low-rank output projection. Only the attention call changes: transformers' eager attention
-materialises [B, N, S, S + C] scores, probabilities and copies; :func:`liger_dspine.ops.sink_attention.
-liger_sink_attention` streams the sliding window and the compressed entries through an online softmax with the
-per-head sink and keeps an output and a log-sum-exp per row.
+projection) and the native steps around the attention: the query and key-value projections, the key-value head's
+norm and RoPE, the compressor (HCA, or CSA with its indexer) and its block bias, and the grouped low-rank output
+projection. The attention call changes: transformers' eager attention materialises [B, N, S, S + C] scores,
+probabilities and copies; :func:`liger_dspine.ops.sink_attention.liger_sink_attention` streams the sliding window
+and the compressed entries through an online softmax with the per-head sink and keeps an output and a log-sum-exp
+per row.
+
+The query heads' weightless RMSNorm and RoPE, and the inverse RoPE of the output, run in one Triton pass each
+(:func:`liger_dspine.ops.trailing_rope.liger_trailing_rope`); the key-value head's norm and RoPE stay native.
 
 The kernel path runs where the layer has no past (training, and the prefill of generation: the cache, if any, is
 updated as the native forward updates it), with the eager mask tensor (the sliding-window causal mask, read on the
@@ -50,6 +53,7 @@ class LigerDeepseekV4Attention(DeepseekV4Attention):
                 **kwargs,
             )  # fmt: skip
         from liger_dspine.ops.sink_attention import liger_sink_attention
+        from liger_dspine.ops.trailing_rope import liger_trailing_rope
 
         rotate = self.modeling.apply_rotary_pos_emb
         input_shape = hidden_states.shape[:-1]
@@ -60,8 +64,9 @@ class LigerDeepseekV4Attention(DeepseekV4Attention):
             else (position_embeddings)
         )
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
-        q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
-        q = rotate(q, cos, sin)
+        # the query heads' weightless norm and RoPE in one pass; [B, N, S, D] as a view of [B, S, N, D]
+        q = liger_trailing_rope(self.q_b_proj(q_residual).view(*hidden_shape), cos, sin, eps=self.q_b_norm.eps)
+        q = q.transpose(1, 2)
         kv = rotate(self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2), cos, sin)
         if cache is not None:  # no past here: the update stores the window and returns kv as it is
             update_kwargs = {"kwargs": kwargs} if self.cache_update_takes_kwargs else {}
@@ -73,7 +78,7 @@ class LigerDeepseekV4Attention(DeepseekV4Attention):
         attn_output = liger_sink_attention(
             q, kv[:, 0], self.sinks, self.sliding_window, self.scaling, mask=attention_mask, bias=block_bias
         )  # [B, S, N, D]
-        attn_output = rotate(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
+        attn_output = liger_trailing_rope(attn_output, cos, -sin)  # the inverse turn of the output's rope slice
         grouped = self.o_a_proj(attn_output.reshape(*input_shape, self.config.o_groups, -1)).flatten(2)
         return self.o_b_proj(grouped), None
 
