@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention with the sink-attention kernel (``apply_liger_kernel_to_deepseek_v4(attention=True)``)
+"""DeepSeek-V4's attention with the sink-attention kernel (``apply_liger_kernel_to_deepseek_v4(rope=True)``)
 against the native eager attention: a tiny V4 with one layer of each kind (sliding window, CSA with its indexer,
 HCA), 20 tokens (window 4, compression rates 2 and 4: 10 and 5 compressed entries), fp32 on a CPU through Triton's
 interpreter. Only the attention is swapped, so the runs differ by its kernel alone."""
@@ -28,7 +28,7 @@ ONLY_ATTENTION = dict(
 def build_pair():
     native = CASE.build()
     patched = copy.deepcopy(native)
-    CASE.apply_fn()(model=patched, attention=True, **ONLY_ATTENTION)
+    CASE.apply_fn()(model=patched, rope=True, **ONLY_ATTENTION)
     return native, patched
 
 

@@ -24,7 +24,7 @@ ONLY_HYPER_CONNECTIONS = dict(
     swiglu=False,
     moe_router=False,
     grouped_experts=False,
-    attention=False,
+    rope=False,
     hyper_connections=True,
 )
 

@@ -62,6 +62,6 @@ def test_deepseek_v4_runs_its_layer_plan_with_the_attention_kernel(tiny_run):
     for impl, row in steps.items():
         assert row["status"] == "ok", (impl, row["status"])
         assert (row["layers"], row["seq"]) == ("3", "16"), impl
-    assert '"attention": true' in steps["liger-dspine"]["options"] and steps["hf"]["options"] == "{}"
+    assert '"rope": true' in steps["liger-dspine"]["options"] and steps["hf"]["options"] == "{}"
     assert abs(float(steps["liger-dspine"]["loss"]) - float(steps["hf"]["loss"])) < 1e-4
     assert "deepseek_v4 goals: speed >= 1.5x hf" in report

@@ -5,7 +5,6 @@ from packaging.version import Version
 from liger_dspine import patching
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
-from liger_dspine.models.deepseek_v3.family import refuse_rope
 from liger_dspine.models.deepseek_v4.spec import DEEPSEEK_V4_SPEC
 
 
@@ -20,14 +19,16 @@ def apply_liger_kernel_to_deepseek_v4(
     moe_router: bool = True,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
-    attention: bool = False,
     hyper_connections: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
 
     Args:
-        rope: must be False (the default): V4's attention (RoPE on the trailing slice, sinks, sliding window,
-            compressed KV) is not patched yet and stays native; True is a ValueError rather than doing nothing.
+        rope: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention``, as ``rope`` swaps DeepSeek-V3's attention:
+            the query heads' norm and RoPE and the output's inverse RoPE in one Triton pass each, and the attention
+            itself (sinks, sliding window, compressed entries) in Triton kernels that never hold the [S, S + C]
+            scores; the projections, the key-value head's norm and RoPE and the compressors stay native. Off by
+            default until it has been measured on a GPU.
         cross_entropy: loss from Liger's cross-entropy kernel on materialised logits.
         fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
             logits (``lce_forward``). Exclusive with ``cross_entropy``. Either loss adds the load-balancing
@@ -43,10 +44,6 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``; liger-kernel's fused MoE
             has no clamp, so there is no ``fused_experts`` option here.
         vocab_chunked_lce: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``.
-        attention: (keyword-only) ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention``: the attention itself
-            (sinks, sliding window, compressed entries) in Triton kernels that never hold the [S, S + C] scores;
-            the projections, RoPE and compressors around it stay native. Off by default until it has been
-            measured on a GPU.
         hyper_connections: (keyword-only) ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``: each
             layer's two hyper-connection mixes (coefficients with their Sinkhorn normalisation, collapse, expand and
             mix) in liger-kernel's mHC kernels. Off by default until it has been measured on a GPU.
@@ -57,8 +54,6 @@ def apply_liger_kernel_to_deepseek_v4(
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
     """
-    if rope:
-        refuse_rope("deepseek_v4", "attention", "V4's attention is not patched yet")
     require_clamping_mlp()
     options = v3_options(
         rope=rope,
@@ -70,7 +65,7 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )
-    options.update(attention=attention, hyper_connections=hyper_connections)
+    options.update(hyper_connections=hyper_connections)
     return apply_spec(DEEPSEEK_V4_SPEC, options, model)
 
 

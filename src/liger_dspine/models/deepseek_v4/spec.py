@@ -7,14 +7,15 @@
   (``grouped_experts``).
 - ``moe_router``: the learned top-k router (sqrtsoftplus or sigmoid scores, correction bias, no groups) in the MoE
   router kernel, and the hash router's weights from its table's experts only (``models/deepseek_v4/router.py``).
-- ``attention``: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention`` (``models/deepseek_v4/attention.py``): the
-  sink-attention kernel over the sliding window and the compressed entries instead of the eager scores.
+- ``rope``: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention`` (``models/deepseek_v4/attention.py``): the query
+  norm and RoPE in one pass, and the sink-attention kernel over the sliding window and the compressed entries instead
+  of the eager scores.
 - ``hyper_connections``: ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``
   (``models/deepseek_v4/hyper_connections.py``): the two hyper-connection mixes of each layer in liger-kernel's mHC
   kernels.
 - the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
 
-The RoPE, the compressors and their indexer, and the final ``DeepseekV4HyperHead`` stay native.
+The compressors and their indexer, and the final ``DeepseekV4HyperHead`` stay native.
 """
 
 from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
@@ -40,7 +41,7 @@ DEEPSEEK_V4_SPEC = PatchSpec(
         ClassSwap("moe_router", ("DeepseekV4TopKRouter",), f"{ROUTERS}:LigerDeepseekV4TopKRouter"),
         ClassSwap("moe_router", ("DeepseekV4HashRouter",), f"{ROUTERS}:LigerDeepseekV4HashRouter"),
         ClassSwap(
-            "attention", ("DeepseekV4Attention",), "liger_dspine.models.deepseek_v4.attention:LigerDeepseekV4Attention"
+            "rope", ("DeepseekV4Attention",), "liger_dspine.models.deepseek_v4.attention:LigerDeepseekV4Attention"
         ),
         ClassSwap(
             "hyper_connections",
