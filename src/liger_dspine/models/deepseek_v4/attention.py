@@ -29,9 +29,9 @@ from liger_dspine._interpreter import kernel_runs_on
 class LigerDeepseekV4Attention(DeepseekV4Attention):
     """V4 attention with :func:`liger_sink_attention`; parameters and submodules as the native class."""
 
-    native_cache_arg = (
-        "cache" if "cache" in inspect.signature(DeepseekV4Attention.forward).parameters else ("past_key_values")
-    )
+    # the cache argument of the native forward: "past_key_values" in transformers 5.17, "cache" in 5.24
+    _native_parameters = inspect.signature(DeepseekV4Attention.forward).parameters
+    native_cache_arg = "cache" if "cache" in _native_parameters else "past_key_values"
     cache_update_takes_kwargs = native_cache_arg == "cache"  # transformers 5.24 hands its kwargs to cache.update
     modeling = sys.modules[DeepseekV4Attention.__module__]
 
@@ -58,11 +58,8 @@ class LigerDeepseekV4Attention(DeepseekV4Attention):
         rotate = self.modeling.apply_rotary_pos_emb
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        cos, sin = (
-            position_embeddings[self.rope_layer_type]
-            if isinstance(position_embeddings, dict)
-            else (position_embeddings)
-        )
+        angles = position_embeddings  # {"main", "compress"} in the model; one (cos, sin) pair also works
+        cos, sin = angles[self.rope_layer_type] if isinstance(angles, dict) else angles
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         # the query heads' weightless norm and RoPE in one pass; [B, N, S, D] as a view of [B, S, N, D]
         q = liger_trailing_rope(self.q_b_proj(q_residual).view(*hidden_shape), cos, sin, eps=self.q_b_norm.eps)
