@@ -56,6 +56,25 @@ def _tile_scores(
 
 
 @triton.jit
+def _online_softmax_step(scores, kv, running_max, running_sum, acc, PRECISION: tl.constexpr):
+    """One key tile into the running max, sum and [ROWS, D] accumulator of the online softmax."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    p = tl.exp(scores - new_max[:, None])
+    alpha = tl.exp(running_max - new_max)
+    running_sum = running_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
+    return new_max, running_sum, acc
+
+
+@triton.jit
+def _grad_query_step(scores, kv, grad_out, lse, delta, PRECISION: tl.constexpr):
+    """One key tile's share of dq / scale: sum_t p_t (dO.kv_t - delta) kv_t."""
+    p = tl.exp(scores - lse[:, None])
+    grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None])
+    return tl.dot(grad_scores.to(kv.dtype), kv, input_precision=PRECISION)
+
+
+@triton.jit
 def _sink_attention_forward_kernel(
     q_ptr, kv_ptr, mask_ptr, bias_ptr, sinks_ptr, out_ptr, lse_ptr,
     seq_len, num_compressed, num_heads, window, scale,
@@ -94,12 +113,7 @@ def _sink_attention_forward_kernel(
             q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
             SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
         )  # fmt: skip
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        p = tl.exp(scores - new_max[:, None])
-        alpha = tl.exp(running_max - new_max)
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(scores, kv, running_max, running_sum, acc, PRECISION)
     for entry_start in range(0, num_compressed, BLOCK_N):
         entries = entry_start + tl.arange(0, BLOCK_N)
         entry_ok = entries < num_compressed
@@ -110,12 +124,7 @@ def _sink_attention_forward_kernel(
             q, kv, entries, entry_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
             SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
         )  # fmt: skip
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        p = tl.exp(scores - new_max[:, None])
-        alpha = tl.exp(running_max - new_max)
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(scores, kv, running_max, running_sum, acc, PRECISION)
 
     out = acc / running_sum[:, None]
     tl.store(
@@ -169,9 +178,7 @@ def _sink_attention_dq_kernel(
             q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
             SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
         )  # fmt: skip
-        p = tl.exp(scores - lse[:, None])
-        grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None])
-        acc += tl.dot(grad_scores.to(kv.dtype), kv, input_precision=PRECISION)
+        acc += _grad_query_step(scores, kv, grad_out, lse, delta, PRECISION)
     for entry_start in range(0, num_compressed, BLOCK_N):
         entries = entry_start + tl.arange(0, BLOCK_N)
         entry_ok = entries < num_compressed
@@ -182,9 +189,7 @@ def _sink_attention_dq_kernel(
             q, kv, entries, entry_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
             SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
         )  # fmt: skip
-        p = tl.exp(scores - lse[:, None])
-        grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None])
-        acc += tl.dot(grad_scores.to(kv.dtype), kv, input_precision=PRECISION)
+        acc += _grad_query_step(scores, kv, grad_out, lse, delta, PRECISION)
     tl.store(grad_q_ptr + q_offsets, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
