@@ -24,6 +24,13 @@ ROWS = 4  # head vectors per program
 
 
 @triton.jit
+def _row_coordinates(num_rows, seq_len, num_heads, ROWS: tl.constexpr):
+    """This program's head vectors (rows of [B * S * N]): the rows, their mask, and their batch, position and head."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    return rows, rows < num_rows, rows // (num_heads * seq_len), (rows // num_heads) % seq_len, rows % num_heads
+
+
+@triton.jit
 def _pair_angles(cos_ptr, sin_ptr, batch, position, stride_cb, stride_cs, cols, rope_start, rows_ok):
     """cos / sin of each channel's pair ([ROWS, D], 1 / 0 outside the rope slice)."""
     in_rope = cols >= rope_start
@@ -51,11 +58,7 @@ def _trailing_rope_forward_kernel(
     NORM: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """x [B, S, N, D] (any strides, channels contiguous) -> out [B, S, N, D] contiguous; rstd [B*S*N] fp32."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rows_ok = rows < num_rows
-    head = rows % num_heads
-    position = (rows // num_heads) % seq_len
-    batch = rows // (num_heads * seq_len)
+    rows, rows_ok, batch, position, head = _row_coordinates(num_rows, seq_len, num_heads, ROWS)
     cols = tl.arange(0, HEAD_DIM)
     x_offsets = batch[:, None] * stride_xb + position[:, None] * stride_xs + head[:, None] * stride_xn + cols[None, :]
     x = tl.load(x_ptr + x_offsets, mask=rows_ok[:, None], other=0.0)
@@ -81,11 +84,7 @@ def _trailing_rope_backward_kernel(
     NORM: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """grad [B, S, N, D] contiguous -> grad_x [B, S, N, D] contiguous (x's strides for x)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rows_ok = rows < num_rows
-    head = rows % num_heads
-    position = (rows // num_heads) % seq_len
-    batch = rows // (num_heads * seq_len)
+    rows, rows_ok, batch, position, head = _row_coordinates(num_rows, seq_len, num_heads, ROWS)
     cols = tl.arange(0, HEAD_DIM)
     grad = tl.load(grad_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=rows_ok[:, None], other=0.0)
     grad = grad.to(tl.float32)
