@@ -146,6 +146,7 @@ def _causal_lm_forward(
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     shift_labels = kwargs.pop("shift_labels", None)
+    accum_dtype = _checked_accum_dtype(kwargs.pop("accum_dtype", None))
     has_labels = labels is not None or shift_labels is not None
     if skip_logits and not has_labels:
         raise ValueError(
@@ -180,7 +181,7 @@ def _causal_lm_forward(
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"))
     if skip_logits:
         fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
-        loss, token_accuracy = fused_loss(hidden_states, self.lm_head.weight, targets, divisor)
+        loss, token_accuracy = fused_loss(hidden_states, self.lm_head.weight, targets, divisor, accum_dtype)
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:
@@ -200,6 +201,14 @@ def _causal_lm_forward(
         if f.name not in ("loss", "logits", "token_accuracy") and f.name in outputs:
             setattr(output, f.name, outputs[f.name])
     return output if return_dict else _to_tuple(output)
+
+
+def _checked_accum_dtype(accum_dtype):
+    """liger-kernel's ``accum_dtype`` keyword: the dtype the fused loss sums the head's gradient in (None: the
+    weight's). Used by the fused loss only; the loss on logits leaves the head's gradient to autograd."""
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"liger-dspine: accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
+    return accum_dtype
 
 
 def _to_tuple(output) -> tuple:
@@ -302,7 +311,7 @@ def fused_ce_chunk_mem_const(tokens: int, hidden: int, element_size: int) -> int
     return max(1, FUSED_CE_CHUNK_BYTES // max(1, tokens * hidden * element_size))
 
 
-def _fused_linear_ce(hidden_states, weight, targets, divisor):
+def _fused_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
@@ -312,7 +321,9 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
         # the same kernels as one opaque op; its backward scales a copy of the kept gradients (no guard needed)
         from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy_op
 
-        loss, token_accuracy = liger_fused_linear_cross_entropy_op(flat, weight, targets, IGNORE_INDEX, chunk_mem_const)
+        loss, token_accuracy = liger_fused_linear_cross_entropy_op(
+            flat, weight, targets, IGNORE_INDEX, chunk_mem_const, accum_dtype
+        )
         return loss / _on(divisor, loss), token_accuracy
     result = liger_fused_linear_cross_entropy(
         flat,
@@ -322,13 +333,15 @@ def _fused_linear_ce(hidden_states, weight, targets, divisor):
         reduction="sum",
         return_token_accuracy=True,
         chunk_mem_const=chunk_mem_const,
+        accum_dtype=accum_dtype,
     )
     guard = SecondPassGuard("liger-kernel's fused linear cross entropy")
     loss = guard.inner(result.loss)
     return guard.outer(loss / _on(divisor, loss)), result.token_accuracy
 
 
-def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor):
+def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):
+    # each vocabulary chunk's d weight is one GEMM accumulated in fp32, rounded once: any accum_dtype is met
     from liger_dspine.ops.linear_cross_entropy import liger_vocab_chunked_linear_cross_entropy
 
     check_kernel_device(hidden_states, "vocab-chunked linear cross entropy")

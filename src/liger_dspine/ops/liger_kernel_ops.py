@@ -154,8 +154,10 @@ def _fused_linear_cross_entropy(
     chunk_mem_const: int,
     need_hidden: bool,
     need_weight: bool,
+    accum_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss [] fp32, token accuracy [] fp32, d loss / d hidden [T, H], d loss / d weight [V, H] or [0])."""
+    """(summed loss [] fp32, token accuracy [] fp32, d loss / d hidden [T, H], d loss / d weight [V, H] or [0]);
+    ``accum_dtype`` is liger-kernel's: the dtype d weight is summed in over the row chunks (None: the weight's)."""
     loss, _, accuracy, _, grad_hidden, grad_weight, _ = fused_linear_cross_entropy_forward(
         hidden,
         weight,
@@ -166,29 +168,30 @@ def _fused_linear_cross_entropy(
         compute_gradients=need_hidden or need_weight,
         weight_requires_grad=need_weight,
         chunk_mem_const=chunk_mem_const,
+        accum_dtype=accum_dtype,
     )
     grad_weight = grad_weight if grad_weight is not None else hidden.new_empty(0)
     return loss, accuracy, grad_hidden, grad_weight
 
 
 @_fused_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, ignore_index, chunk_mem_const, need_hidden, need_weight):
+def _(hidden, weight, targets, ignore_index, chunk_mem_const, need_hidden, need_weight, accum_dtype=None):
     scalar = hidden.new_empty((), dtype=torch.float32)
     grad_weight = torch.empty_like(weight) if need_weight else hidden.new_empty(0)
     return scalar, torch.empty_like(scalar), torch.empty_like(hidden), grad_weight
 
 
 class LigerFusedLinearCrossEntropyOpFunction(torch.autograd.Function):
-    """``(hidden [T, H], weight [V, H], targets [T], ignore_index, chunk_mem_const)`` -> ``(loss [] fp32 summed
-    over the rows not ignored, token_accuracy [] fp32 without gradient)``."""
+    """``(hidden [T, H], weight [V, H], targets [T], ignore_index, chunk_mem_const, accum_dtype)`` -> ``(loss []
+    fp32 summed over the rows not ignored, token_accuracy [] fp32 without gradient)``."""
 
     kernel_ops = ("liger_dspine::fused_linear_cross_entropy",)
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, chunk_mem_const):
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_mem_const, accum_dtype=None):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         loss, accuracy, grad_hidden, grad_weight = _fused_linear_cross_entropy(
-            hidden, weight, targets, ignore_index, chunk_mem_const, need_hidden, need_weight
+            hidden, weight, targets, ignore_index, chunk_mem_const, need_hidden, need_weight, accum_dtype
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.need_weight = need_weight
@@ -200,11 +203,16 @@ class LigerFusedLinearCrossEntropyOpFunction(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         grad_hidden = grad_hidden * grad_loss
         grad_weight = grad_weight * grad_loss if ctx.need_weight else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def liger_fused_linear_cross_entropy_op(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk_mem_const: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_mem_const: int,
+    accum_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """liger-kernel's fused linear cross entropy (sum reduction, token accuracy) of ``hidden [T, H]``,
     ``weight [V, H]`` and ``targets [T]``; see :class:`LigerFusedLinearCrossEntropyOpFunction`."""
@@ -215,5 +223,5 @@ def liger_fused_linear_cross_entropy_op(
         )
     check_kernel_device(hidden, "fused linear cross entropy")
     return LigerFusedLinearCrossEntropyOpFunction.apply(
-        hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const)
+        hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const), accum_dtype
     )

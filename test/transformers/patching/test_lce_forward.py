@@ -305,3 +305,50 @@ def test_token_chunk_budget_at_deepseek_v3_widths():
 
     assert [chunks(t) for t in (4096, 8192, 16384, 32768)] == [2, 4, 8, 16]
     assert causal_lm_forward.fused_ce_chunk_mem_const(32768, 7168, 2) == 1  # liger-kernel's own rule at long sequences
+
+
+def test_accum_dtype_reaches_liger_kernel_and_keeps_the_native_loss(native, lce_tokens, batch, monkeypatch):
+    """liger-kernel's ``accum_dtype`` keyword (its mini-model tests pass fp32) is handed to its fused loss, not
+    dropped, and the loss and gradients stay native's."""
+    import liger_kernel.transformers.functional as functional
+
+    seen = []
+    original = functional.liger_fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("accum_dtype"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "liger_fused_linear_cross_entropy", spy)
+    monkeypatch.setattr(causal_lm_forward, "FUSED_CE_CHUNK_BYTES", 0)  # several token chunks to sum over
+    input_ids, labels = batch
+    native_out, native_grads = loss_and_grads(native.train(), input_ids, labels=labels, accum_dtype=torch.float32)
+    out, grads = loss_and_grads(lce_tokens.train(), input_ids, labels=labels, accum_dtype=torch.float32)
+    assert seen == [torch.float32]
+    torch.testing.assert_close(out.loss, native_out.loss, **FP32)
+    assert_grads_close(grads, native_grads, **FP32)
+
+
+@pytest.mark.parametrize("value", [torch.int32, "float32", 32])
+def test_accum_dtype_that_is_not_a_float_dtype_is_an_error(lce, batch, value):
+    input_ids, labels = batch
+    with pytest.raises(TypeError, match="accum_dtype must be a floating torch.dtype"):
+        lce.train()(input_ids, labels=labels, accum_dtype=value)
+
+
+@pytest.mark.cuda
+def test_accum_dtype_fp32_sums_the_head_gradient_closer_to_fp32(native_model, monkeypatch):
+    """bf16 on CUDA, many token chunks: the head's gradient summed in fp32 (``accum_dtype=torch.float32``) is at
+    least as close to an fp32 run's as the one summed in bf16."""
+    monkeypatch.setattr(causal_lm_forward, "FUSED_CE_CHUNK_BYTES", 0)
+    model = fused_loss_model(native_model, False).cuda()
+    input_ids, labels = random_batch(model.config, batch=8, seq=64, seed=5)
+    input_ids, labels = input_ids.cuda(), labels.cuda()
+    _, reference = loss_and_grads(model.train(), input_ids, labels=labels)
+    model = model.to(torch.bfloat16)
+    errors = {}
+    for accum_dtype in (None, torch.float32):
+        _, grads = loss_and_grads(model, input_ids, labels=labels, accum_dtype=accum_dtype)
+        head, expected = grads["lm_head.weight"].float(), reference["lm_head.weight"]
+        errors[accum_dtype] = ((head - expected).norm() / expected.norm()).item()
+    assert errors[torch.float32] <= errors[None], errors
