@@ -172,9 +172,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", default="liger-dspine", help="hf, liger or liger-dspine")
     parser.add_argument("--model", default="deepseek_v3", help="deepseek_v3 or a model of family_configs.FAMILY")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, help="default 8 for deepseek_v3, the benchmark's depth for the family")
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--options", default="{}")
+    parser.add_argument("--options", help="liger-dspine options as JSON (default: the family benchmark's)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--no-time", action="store_true", help="memory only: skip the profiled step")
     parser.add_argument("--memory-trace", action="store_true", help="memory at each layer / block boundary")
@@ -182,7 +182,16 @@ def main() -> int:
 
     import torch
 
-    _apply_patch(args.impl, json.loads(args.options), args.model)
+    from family_configs import LIGER_DSPINE_OPTIONS
+    from family_configs import family_layers
+
+    if args.layers is None:
+        args.layers = 8 if args.model == "deepseek_v3" else family_layers(args.model)
+    if args.options is not None:
+        options = json.loads(args.options)
+    else:
+        options = LIGER_DSPINE_OPTIONS.get(args.model, {}) if args.impl == "liger-dspine" else {}
+    _apply_patch(args.impl, options, args.model)
     if args.model == "deepseek_v3":
         from transformers import DeepseekV3ForCausalLM as model_class
 

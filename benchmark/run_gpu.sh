@@ -121,12 +121,12 @@ for step in "$@"; do
         --impl liger-dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl liger-dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
-    # a DeepSeek-family step at 2 layers / 4096 tokens (bench_family.py's widths), transformers and liger-dspine;
-    # PROFILE_MODEL picks the model (default deepseek_v2)
+    # a DeepSeek-family step at the family benchmark's depth and widths, 4096 tokens, transformers and liger-dspine
+    # (with the benchmark's options); PROFILE_MODEL picks the model (default deepseek_v2)
     profile-family)
       for impl in hf liger-dspine; do
         LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
-          --model "${PROFILE_MODEL:-deepseek_v2}" --impl $impl --layers 2 --seq 4096 --top 25 2>&1 \
+          --model "${PROFILE_MODEL:-deepseek_v2}" --impl $impl --seq 4096 --top 25 2>&1 \
           | tee -a "$OUT/profile_family.txt"
       done ;;
     # where the time of the fused DSpine objective (both widths) and the memory of a DSpine step go

@@ -95,7 +95,7 @@ def check(dtype, device, fused):
     torch.testing.assert_close(liger_losses, native_losses, atol=loss_atol, rtol=loss_rtol)
     torch.testing.assert_close(liger_top, native_top, atol=lp_atol, rtol=lp_rtol)
     for (name, p_native), (_, p_liger) in zip(native.named_parameters(), liger.named_parameters()):
-        torch.testing.assert_close(p_liger, p_native, atol=p_atol, rtol=p_rtol, msg=name)
+        torch.testing.assert_close(p_liger, p_native, atol=p_atol, rtol=p_rtol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_lce", "with_logits"])

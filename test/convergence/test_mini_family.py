@@ -71,7 +71,11 @@ def check(model_type, dtype, device):
     torch.testing.assert_close(patched_lp, native_lp, atol=tol["logprob"], rtol=0)
     for (name, p_native), (_, p_patched) in zip(native.named_parameters(), patched.named_parameters()):
         torch.testing.assert_close(
-            p_patched.float(), p_native.float(), atol=tol["param_atol"], rtol=tol["param_rtol"], msg=name
+            p_patched.float(),
+            p_native.float(),
+            atol=tol["param_atol"],
+            rtol=tol["param_rtol"],
+            msg=lambda m, n=name: f"{n}: {m}",
         )
 
 

@@ -32,6 +32,7 @@ from liger_dspine.ops import hash_router
 from liger_dspine.ops import interleaved_rope
 from liger_dspine.ops import liger_kernel_ops
 from liger_dspine.ops import linear_cross_entropy
+from liger_dspine.ops import mhc_projection
 from liger_dspine.ops import moe_router
 from liger_dspine.ops import scaled_write
 from liger_dspine.ops import silu_mul_rows
@@ -251,6 +252,11 @@ def case_trailing_rope():
     return (normed, trailing_rope.liger_trailing_rope(x, cos, sin)), [x]
 
 
+def case_mhc_projection():
+    x, fn = randn(9, 40, grad=True), randn(24, 40, grad=True)
+    return mhc_projection.liger_mhc_projection(x, fn, 1e-6), [x, fn]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -281,6 +287,7 @@ CASES = {
     case_scaled_write: (),
     case_sink_attention: ("sink_attention", "sink_attention_backward"),
     case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),
+    case_mhc_projection: ("mhc_projection", "mhc_projection_backward"),
 }
 
 

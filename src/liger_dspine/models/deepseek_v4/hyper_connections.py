@@ -6,34 +6,32 @@ mix is, per token: the weights from the RMS-normed flattened streams times ``fn`
 block's input ``sum_j pre_j x_j``; and the new streams ``post_k f + sum_j comb[j, k] x_j``. transformers runs that as
 dozens of small torch kernels per mix (every Sinkhorn iteration a few launches) over fp32 copies of the streams.
 
-liger-kernel 0.8.5's mHC functions compute the same three steps in fused Triton kernels, with the same Sinkhorn (a
-row softmax plus eps, then column and row normalisations with eps in the denominators), so its coefficient matrix
-equals V4's ``comb``; its residual mix reads the matrix as [out, in] where V4 reads [in, out], so the layer hands it
-``comb`` transposed. The coefficients' projection takes the streams in their dtype and ``fn`` in fp32 (Triton's fp32
-products run in TF32 on a GPU; transformers' fp32 ``F.linear`` does not). Under ``torch.compile`` (liger-kernel's
-mHC functions are no registered ops) and where the kernels cannot run, the layer runs the native forward.
+Here the three steps run in Triton kernels: the coefficients' projection and RMS factor in this package's kernel
+(ops/mhc_projection.py: fp32 products as transformers', no fp32 copy of the streams, and one compilation where
+liger-kernel's takes about 70 s at V4's widths), the split, sigmoids and Sinkhorn iterations (a row softmax plus eps,
+then column and row normalisations with eps in the denominators, so the matrix equals V4's ``comb``) and the
+collapse and the residual mix in liger-kernel 0.8.5's mHC kernels. Its residual mix reads the matrix as [out, in]
+where V4 reads [in, out], so the layer hands it ``comb`` transposed. liger-kernel's mHC kernels take the token count
+as a compile-time constant: each new token count compiles them again (about 10 s at V4's widths). Under
+``torch.compile`` (liger-kernel's mHC functions are no registered ops) and where the kernels cannot run, the layer
+runs the native forward.
 """
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.mhc_coefficients import liger_mhc_coefficients
 
 
 def _coefficients(connection, streams: torch.Tensor):
     """(pre [..., hc], post [..., hc], comb [..., hc, hc]) of one ``DeepseekV4HyperConnection`` for ``streams``."""
-    from liger_kernel.transformers.functional import liger_mhc_coeffs
-
-    scale = connection.scale
-    return liger_mhc_coeffs(
+    return liger_mhc_coefficients(
         streams,
-        connection.fn.t(),
+        connection.fn,
         connection.base,
-        scale[0],
-        scale[1],
-        scale[2],
-        allow_fp32=True,
-        tmax=connection.hc_sinkhorn_iters,
+        connection.scale,
+        connection.hc_sinkhorn_iters,
         rms_eps=connection.input_norm.eps,
         pre_eps=connection.hc_eps,
         sinkhorn_eps=connection.hc_eps,
@@ -65,6 +63,6 @@ class LigerDeepseekV4DecoderLayer(DeepseekV4DecoderLayer):
 
     @staticmethod
     def _liger_applies(hidden_states: torch.Tensor) -> bool:
-        from liger_kernel.ops.mhc import _mhc_mm_norm_fwd_kernel
+        from liger_dspine.ops.mhc_projection import _mhc_projection_forward_kernel
 
-        return not torch.compiler.is_compiling() and kernel_runs_on(hidden_states, _mhc_mm_norm_fwd_kernel)
+        return not torch.compiler.is_compiling() and kernel_runs_on(hidden_states, _mhc_projection_forward_kernel)
