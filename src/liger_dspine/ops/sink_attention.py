@@ -203,9 +203,11 @@ def _sink_attention_dkv_kernel(
     BLOCK_Q: tl.constexpr, GROUP_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     QUERY_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Adds into dkv [B, S + C, D] fp32 (contiguous, zeroed) the share of one head group (program_id 1) in one key
-    tile (program_id 0): a sliding tile with the queries that see it, or a compressed tile with one chunk of
-    QUERY_CHUNK queries (every query may see a compressed entry, so those tiles are split along the queries)."""
+    """Adds into dkv [B, S + C, D] fp32 (contiguous, zeroed) the share of every head in one key tile (program_id
+    0): a sliding tile with the queries that see it, or a compressed tile with one chunk of QUERY_CHUNK queries
+    (every query may see a compressed entry, so those tiles are split along the queries). The heads are a loop, not
+    a grid axis: the one key-value head is shared by all of them, and a grid axis would add each element once per
+    head group (32 at V4's 64 heads), atomics that serialised into most of the backward's time."""
     batch = tl.program_id(2).to(tl.int64)
     tile = tl.program_id(0)
     sliding_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -231,41 +233,42 @@ def _sink_attention_dkv_kernel(
     bias_base = bias_ptr + batch * stride_bb
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     rows = tl.arange(0, BLOCK_Q * GROUP_H)
-    heads = tl.program_id(1) * GROUP_H + rows // BLOCK_Q
-    for block_start in range(query_start, query_end, BLOCK_Q):
-        queries = block_start + rows % BLOCK_Q
-        row_ok = (queries < query_end) & (heads < num_heads)
-        q = tl.load(
-            q_ptr + batch * stride_qb + heads[:, None] * stride_qh + queries[:, None] * stride_qs + dims[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
-        grad_out = tl.load(
-            grad_out_ptr
-            + batch * stride_ob
-            + queries[:, None] * stride_os
-            + heads[:, None] * stride_oh
-            + dims[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
-        stats = (batch * num_heads + heads) * seq_len + queries
-        lse = tl.load(lse_ptr + stats, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-        if sliding:
-            scores = _tile_scores(
-                q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-                SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
-            )  # fmt: skip
-        else:
-            scores = _tile_scores(
-                q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
-                SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
-            )  # fmt: skip
-        p = tl.exp(scores - lse[:, None])
-        grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None]) * scale
-        acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out, input_precision=PRECISION)
-        acc += tl.dot(tl.trans(grad_scores.to(q.dtype)), q, input_precision=PRECISION)
+    for group_start in range(0, num_heads, GROUP_H):  # every head here: one add per element and query chunk
+        heads = group_start + rows // BLOCK_Q
+        for block_start in range(query_start, query_end, BLOCK_Q):
+            queries = block_start + rows % BLOCK_Q
+            row_ok = (queries < query_end) & (heads < num_heads)
+            q = tl.load(
+                q_ptr + batch * stride_qb + heads[:, None] * stride_qh + queries[:, None] * stride_qs + dims[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            grad_out = tl.load(
+                grad_out_ptr
+                + batch * stride_ob
+                + queries[:, None] * stride_os
+                + heads[:, None] * stride_oh
+                + dims[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            stats = (batch * num_heads + heads) * seq_len + queries
+            lse = tl.load(lse_ptr + stats, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
+            if sliding:
+                scores = _tile_scores(
+                    q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
+                    SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
+                )  # fmt: skip
+            else:
+                scores = _tile_scores(
+                    q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
+                    SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
+                )  # fmt: skip
+            p = tl.exp(scores - lse[:, None])
+            grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None]) * scale
+            acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out, input_precision=PRECISION)
+            acc += tl.dot(tl.trans(grad_scores.to(q.dtype)), q, input_precision=PRECISION)
     out = grad_kv_ptr + (batch * (seq_len + num_compressed) + rows_of_kv[:, None]) * HEAD_DIM + dims[None, :]
     tl.atomic_add(out, acc, mask=key_ok[:, None])
 
@@ -368,7 +371,7 @@ def _sink_attention_backward(
     )  # fmt: skip
     key_tiles = triton.cdiv(seq_len, BLOCK_N)
     key_tiles += triton.cdiv(kv.shape[1] - seq_len, BLOCK_N) * triton.cdiv(seq_len, QUERY_CHUNK)
-    _sink_attention_dkv_kernel[(key_tiles, grid[1], batch)](
+    _sink_attention_dkv_kernel[(key_tiles, 1, batch)](
         q, kv, mask_arg, bias_arg, grad_out, lse, delta, grad_kv, *sizes, *strides, *out_strides,
         **flags, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim, QUERY_CHUNK=QUERY_CHUNK,
     )  # fmt: skip
