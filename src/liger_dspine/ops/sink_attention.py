@@ -56,6 +56,26 @@ def _tile_scores(
 
 
 @triton.jit
+def _tile_scores_by_key(
+    q, kv, keys, key_ok, queries, row_ok, scale, window,
+    mask_ptr, stride_mq, bias_ptr, stride_bq,
+    SLIDING: tl.constexpr, HAS_ADDEND: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_tile_scores transposed: [BLOCK_N, ROWS], kv as the left operand, so that q is only ever a right operand."""
+    scores = tl.dot(kv, tl.trans(q), input_precision=PRECISION) * scale
+    visible = key_ok[:, None] & row_ok[None, :]
+    if SLIDING:
+        visible = visible & (keys[:, None] <= queries[None, :]) & (keys[:, None] > queries[None, :] - window)
+        if HAS_ADDEND:
+            addend = tl.load(mask_ptr + queries[None, :] * stride_mq + keys[:, None], mask=visible, other=0.0)
+            scores += addend.to(tl.float32)
+    elif HAS_ADDEND:
+        addend = tl.load(bias_ptr + queries[None, :] * stride_bq + keys[:, None], mask=visible, other=0.0)
+        scores += addend.to(tl.float32)
+    return tl.where(visible, scores, float("-inf"))
+
+
+@triton.jit
 def _online_softmax_step(scores, kv, running_max, running_sum, acc, PRECISION: tl.constexpr):
     """One key tile into the running max, sum and [ROWS, D] accumulator of the online softmax."""
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -256,19 +276,21 @@ def _sink_attention_dkv_kernel(
             lse = tl.load(lse_ptr + stats, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
             if sliding:
-                scores = _tile_scores(
+                scores = _tile_scores_by_key(
                     q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
                     SLIDING=True, HAS_ADDEND=HAS_MASK, PRECISION=PRECISION,
                 )  # fmt: skip
             else:
-                scores = _tile_scores(
+                scores = _tile_scores_by_key(
                     q, kv, keys, key_ok, queries, row_ok, scale, window, mask_base, stride_mq, bias_base, stride_bq,
                     SLIDING=False, HAS_ADDEND=HAS_BIAS, PRECISION=PRECISION,
                 )  # fmt: skip
-            p = tl.exp(scores - lse[:, None])
-            grad_scores = p * (tl.dot(grad_out, tl.trans(kv), input_precision=PRECISION) - delta[:, None]) * scale
-            acc += tl.dot(tl.trans(p.to(q.dtype)), grad_out, input_precision=PRECISION)
-            acc += tl.dot(tl.trans(grad_scores.to(q.dtype)), q, input_precision=PRECISION)
+            # [keys, rows] throughout: q and grad_out are right operands only (as kv is in the dq kernel)
+            p = tl.exp(scores - lse[None, :])
+            grad_p = tl.dot(kv, tl.trans(grad_out), input_precision=PRECISION)
+            grad_scores = p * (grad_p - delta[None, :]) * scale
+            acc += tl.dot(p.to(q.dtype), grad_out, input_precision=PRECISION)
+            acc += tl.dot(grad_scores.to(q.dtype), q, input_precision=PRECISION)
     out = grad_kv_ptr + (batch * (seq_len + num_compressed) + rows_of_kv[:, None]) * HEAD_DIM + dims[None, :]
     tl.atomic_add(out, acc, mask=key_ok[:, None])
 
