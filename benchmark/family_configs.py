@@ -98,7 +98,7 @@ LAYER_PLANS = {
     ),
 }
 # liger-dspine options of the benchmark beyond the defaults (swaps that are opt-in)
-LIGER_DSPINE_OPTIONS = {"deepseek_v4": {"rope": True, "hyper_connections": True}}
+LIGER_DSPINE_OPTIONS: dict[str, dict] = {}
 
 
 def family_layers(model: str, default: int = 2) -> int:

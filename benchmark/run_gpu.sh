@@ -165,7 +165,7 @@ for step in "$@"; do
     bench-family) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v2,glm4_moe_lite ;;
     bench-family-v32) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v32 ;;
     # DeepSeek-V4-Flash-like at 3 layers (needs NEW_TRANSFORMERS=1 for 5.24's V4, or 5.17's); liger-dspine with its
-    # opt-in attention kernel and hyper-connections
+    # defaults (the attention kernel and hyper-connections included)
     bench-family-v4) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v4 ;;
     # DeepSeek-V4's attention kernel alone against transformers' eager attention, per layer kind (4096 tokens)
     bench-sink-attention) BENCH_SCRIPT=benchmark/bench_sink_attention.py run_bench ;;

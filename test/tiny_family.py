@@ -355,9 +355,6 @@ CASES = {
             native_kept=("DeepseekV4UnweightedRMSNorm",),
             fp64_reference=True,
             min_transformers="5.17",
-            # the sink-attention and mHC kernels, off by default
-            apply_options={"rope": True, "hyper_connections": True},
-            opt_in=("DeepseekV4Attention", "DeepseekV4DecoderLayer"),
         ),
         # softmax router with top-2 group scores, 6 experts in 3 groups, no bias; interleaved RoPE and Llama-4's query
         # scale, which past position 4 differs from 1 here

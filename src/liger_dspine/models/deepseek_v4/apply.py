@@ -9,7 +9,7 @@ from liger_dspine.models.deepseek_v4.spec import DEEPSEEK_V4_SPEC
 
 
 def apply_liger_kernel_to_deepseek_v4(
-    rope: bool = False,
+    rope: bool = True,
     cross_entropy: bool = False,
     fused_linear_cross_entropy: bool = True,
     rms_norm: bool = True,
@@ -19,7 +19,7 @@ def apply_liger_kernel_to_deepseek_v4(
     moe_router: bool = True,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
-    hyper_connections: bool = False,
+    hyper_connections: bool = True,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
 
@@ -27,8 +27,9 @@ def apply_liger_kernel_to_deepseek_v4(
         rope: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention``, as ``rope`` swaps DeepSeek-V3's attention:
             the query heads' norm and RoPE and the output's inverse RoPE in one Triton pass each, and the attention
             itself (sinks, sliding window, compressed entries) in Triton kernels that never hold the [S, S + C]
-            scores; the projections, the key-value head's norm and RoPE and the compressors stay native. Off by
-            default until it has been measured on a GPU.
+            scores; the projections, the key-value head's norm and RoPE and the compressors stay native. Where it
+            cannot run (a past in the cache, a mask it does not read, a head dim that is not a power of two) the
+            layer runs the native attention.
         cross_entropy: loss from Liger's cross-entropy kernel on materialised logits.
         fused_linear_cross_entropy: in training with labels, the loss from fused linear cross entropy and no
             logits (``lce_forward``). Exclusive with ``cross_entropy``. Either loss adds the load-balancing
@@ -46,7 +47,8 @@ def apply_liger_kernel_to_deepseek_v4(
         vocab_chunked_lce: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``.
         hyper_connections: (keyword-only) ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``: each
             layer's two hyper-connection mixes (coefficients with their Sinkhorn normalisation, collapse, expand and
-            mix) in liger-kernel's mHC kernels. Off by default until it has been measured on a GPU.
+            mix) in Triton kernels: the coefficients' projection in this package's, the Sinkhorn normalisation, the
+            collapse and the mix in liger-kernel's mHC kernels. Native under ``torch.compile``.
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
     The RoPE, the compressors and the final hyper-connection head stay native.
