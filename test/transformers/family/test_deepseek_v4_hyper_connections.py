@@ -102,8 +102,8 @@ def test_compiled_layer_runs_the_native_forward(monkeypatch):
 @pytest.mark.cuda
 def test_cuda_bf16_training_step_close_to_fp32():
     """bf16 as transformers loads V4 (the connections and norms kept in fp32), native and patched, against an fp32
-        run of the same weights: the whole gradient and the loss about as close as native's, and no parameter's gradient far
-    off."""
+    run of the same weights: the whole gradient and the loss about as close as native's, and no parameter's gradient
+    far off."""
     native, _ = build_pair()
     reference = copy.deepcopy(native).cuda()
     native = loaded_in_bf16(native)
