@@ -342,6 +342,7 @@ CASES = {
                 "DeepseekV4HashRouter",
                 "DeepseekV4Attention",
                 "DeepseekV4DecoderLayer",
+                "DeepseekV4HyperHead",
                 "DeepseekV4ForCausalLM.forward",
             ),
             mla=False,

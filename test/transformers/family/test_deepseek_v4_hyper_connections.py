@@ -123,3 +123,33 @@ def test_cuda_bf16_training_step_close_to_fp32():
     # by its own size (error about 1)
     for name in native_errors:
         assert liger_errors[name] <= max(4 * native_errors[name], 2**-3), (name, report)
+
+
+def test_hyper_head_matches_native_forward_and_backward():
+    """The final collapse of the streams: output and the gradients of the streams and of hc_fn / hc_base / hc_scale
+    against the native head, fp32 (fp64 reference)."""
+    from liger_dspine.models.deepseek_v4.hyper_connections import LigerDeepseekV4HyperHead
+
+    native, patched = build_pair()
+    head, liger_head = native.model.hc_head, patched.model.hc_head
+    assert type(liger_head) is LigerDeepseekV4HyperHead
+    with torch.no_grad():  # away from the initial values, so that a scale or bias mixed up would show
+        for module in (head, liger_head):
+            torch.manual_seed(3)
+            module.hc_scale.uniform_(0.5, 1.5)
+            module.hc_base.normal_(0.0, 0.5)
+            module.hc_fn.normal_(0.0, 0.1)
+    streams = torch.randn(
+        2, 7, CASE.config().hc_mult, CASE.config().hidden_size, generator=torch.Generator().manual_seed(6)
+    )
+    grad = torch.randn(2, 7, CASE.config().hidden_size, generator=torch.Generator().manual_seed(8))
+    runs = []
+    for module, dtype in ((head.double(), torch.float64), (liger_head, torch.float32)):
+        x = streams.to(dtype).requires_grad_()
+        module.zero_grad()
+        out = module(x)
+        (out * grad.to(dtype)).sum().backward()
+        runs.append([out, x.grad] + [p.grad for p in (module.hc_fn, module.hc_base, module.hc_scale)])
+    for name, expected, got in zip(("out", "d x", "d hc_fn", "d hc_base", "d hc_scale"), *runs):
+        assert got.abs().sum() > 0, name
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -32,6 +32,7 @@ from liger_dspine.ops import hash_router
 from liger_dspine.ops import interleaved_rope
 from liger_dspine.ops import liger_kernel_ops
 from liger_dspine.ops import linear_cross_entropy
+from liger_dspine.ops import mhc_coefficients
 from liger_dspine.ops import mhc_projection
 from liger_dspine.ops import moe_router
 from liger_dspine.ops import scaled_write
@@ -257,6 +258,12 @@ def case_mhc_projection():
     return mhc_projection.liger_mhc_projection(x, fn, 1e-6), [x, fn]
 
 
+def case_mhc_coefficients():
+    streams, fn = randn(2, 3, 4, 8, grad=True), randn(24, 32, grad=True)
+    base, scale = randn(24, grad=True), randn(3, grad=True)
+    return mhc_coefficients.liger_mhc_coefficients(streams, fn, base, scale, 5, 1e-6, 1e-6, 1e-6), [fn, base, scale]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -288,6 +295,7 @@ CASES = {
     case_sink_attention: ("sink_attention", "sink_attention_backward"),
     case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),
     case_mhc_projection: ("mhc_projection", "mhc_projection_backward"),
+    case_mhc_coefficients: ("mhc_projection", "mhc_projection_backward", "mhc_sinkhorn", "mhc_sinkhorn_backward"),
 }
 
 

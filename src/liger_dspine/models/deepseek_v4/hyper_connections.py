@@ -19,9 +19,11 @@ runs the native forward.
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
 
 from liger_dspine._interpreter import kernel_runs_on
 from liger_dspine.ops.mhc_coefficients import liger_mhc_coefficients
+from liger_dspine.ops.mhc_projection import liger_mhc_projection
 
 
 def _coefficients(connection, streams: torch.Tensor):
@@ -63,6 +65,26 @@ class LigerDeepseekV4DecoderLayer(DeepseekV4DecoderLayer):
 
     @staticmethod
     def _liger_applies(hidden_states: torch.Tensor) -> bool:
-        from liger_dspine.ops.mhc_projection import _mhc_projection_forward_kernel
+        return _kernels_apply(hidden_states)
 
-        return not torch.compiler.is_compiling() and kernel_runs_on(hidden_states, _mhc_projection_forward_kernel)
+
+class LigerDeepseekV4HyperHead(DeepseekV4HyperHead):
+    """V4's final collapse of the streams, ``sum_j pre_j x_j`` with ``pre = sigmoid(scale * rms(x) @ hc_fn^T +
+    hc_base) + eps``: the projection in this package's kernel (no fp32 copy of the streams, which transformers' keeps
+    for backward), the collapse in liger-kernel's; parameters as the native class."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _kernels_apply(x):
+            return super().forward(x)
+        from liger_kernel.transformers.functional import liger_mhc_pre
+
+        hc, width = x.shape[-2], x.shape[-2] * x.shape[-1]
+        mix, _ = liger_mhc_projection(x.reshape(-1, width), self.hc_fn, self.input_norm.eps)
+        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return liger_mhc_pre(x, pre.view(*x.shape[:-2], hc))
+
+
+def _kernels_apply(hidden_states: torch.Tensor) -> bool:
+    from liger_dspine.ops.mhc_projection import _mhc_projection_forward_kernel
+
+    return not torch.compiler.is_compiling() and kernel_runs_on(hidden_states, _mhc_projection_forward_kernel)

@@ -10,12 +10,12 @@
 - ``rope``: ``DeepseekV4Attention`` -> ``LigerDeepseekV4Attention`` (``models/deepseek_v4/attention.py``): the query
   norm and RoPE in one pass, and the sink-attention kernel over the sliding window and the compressed entries instead
   of the eager scores.
-- ``hyper_connections``: ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``
-  (``models/deepseek_v4/hyper_connections.py``): the two hyper-connection mixes of each layer in liger-kernel's mHC
-  kernels.
+- ``hyper_connections``: ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer`` and ``DeepseekV4HyperHead``
+  -> ``LigerDeepseekV4HyperHead`` (``models/deepseek_v4/hyper_connections.py``): the two hyper-connection mixes of
+  each layer and the final collapse of the streams in Triton kernels.
 - the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
 
-The compressors and their indexer, and the final ``DeepseekV4HyperHead`` stay native.
+The compressors and their indexer stay native.
 """
 
 from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
@@ -47,6 +47,11 @@ DEEPSEEK_V4_SPEC = PatchSpec(
             "hyper_connections",
             ("DeepseekV4DecoderLayer",),
             "liger_dspine.models.deepseek_v4.hyper_connections:LigerDeepseekV4DecoderLayer",
+        ),
+        ClassSwap(
+            "hyper_connections",
+            ("DeepseekV4HyperHead",),
+            "liger_dspine.models.deepseek_v4.hyper_connections:LigerDeepseekV4HyperHead",
         ),
         *(
             MethodSwap(option, "DeepseekV4ForCausalLM", "forward", f"{FORWARDS}:{forward}")
