@@ -53,7 +53,8 @@ def test_second_run_keeps_the_first_runs_rows_and_says_why_not(tiny_run):
     assert "dspine/hf speed" in report and "dspine/liger peak" in report and "deepseek_v2 goals:" in report
 
 
-def test_deepseek_v4_runs_its_layer_plan_with_the_attention_kernel(tiny_run):
+def test_deepseek_v4_runs_its_layer_plan_with_the_defaults(tiny_run):
+    """liger-dspine's defaults, which for V4 include the attention kernel and the hyper-connection kernels."""
     rows, report = tiny_run
     steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v4"}
     if not steps or steps.get("-"):
@@ -62,6 +63,6 @@ def test_deepseek_v4_runs_its_layer_plan_with_the_attention_kernel(tiny_run):
     for impl, row in steps.items():
         assert row["status"] == "ok", (impl, row["status"])
         assert (row["layers"], row["seq"]) == ("3", "16"), impl
-    assert '"rope": true' in steps["liger-dspine"]["options"] and steps["hf"]["options"] == "{}"
+    assert steps["liger-dspine"]["options"] == steps["hf"]["options"] == "{}"
     assert abs(float(steps["liger-dspine"]["loss"]) - float(steps["hf"]["loss"])) < 1e-4
     assert "deepseek_v4 goals: speed >= 1.5x hf" in report
