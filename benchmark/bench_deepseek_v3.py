@@ -189,6 +189,7 @@ def run_child(job: Job, timeout: float, args) -> list[dict]:
         steps=args.steps,
         time_budget_s=timeout - 10,
         sweep_start=args.sweep_start,
+        sweep_step=args.sweep_step,
     )
     command = [sys.executable, os.path.abspath(__file__)]
     command += [item for key, value in flags.items() for item in (f"--{key.replace('_', '-')}", str(value))]
@@ -529,6 +530,8 @@ def _sweep(args) -> dict:
     sweep = dict(TINY_SWEEP if args.tiny else SWEEP)
     if args.sweep_start:  # a known-good length: the doubling starts there (saves the short, fast-growing steps)
         sweep["start"] = args.sweep_start
+    if getattr(args, "sweep_step", 0):  # the bisection's resolution
+        sweep["step"] = args.sweep_step
     return sweep
 
 
@@ -548,6 +551,7 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", default="2x4096", help="--suite custom: LAYERSxSEQ,... e.g. 2x4096,8x4096")
     parser.add_argument("--max-seq", action="store_true", help="--suite custom: add the longest-sequence sweep")
     parser.add_argument("--sweep-start", type=int, default=0, help="first length of the sweep (default 32768)")
+    parser.add_argument("--sweep-step", type=int, default=0, help="resolution of the sweep's bisection (default 8192)")
     parser.add_argument(
         "--options", default="{}", help="liger-dspine patch options as JSON, e.g. '{\"swiglu\": false}'"
     )

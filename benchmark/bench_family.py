@@ -1,17 +1,20 @@
 """DeepSeek-family training-step benchmark on one GPU: native transformers ("hf"), liger-kernel ("liger", where it
 has a patch for the model) and liger-dspine, at 2 layers of real widths (family_configs.py): DeepSeek-V2-Lite-like
 and GLM-4.7-Flash-like at 4096 and 16384 tokens, DeepSeek-V3.2-like at 4096 and 8192; DeepSeek-V4-Flash-like at 3
-layers (sliding window, CSA, HCA; hash and learned routers), 4096 and 8192, liger-dspine with its opt-in attention
-kernel and hyper-connections.
+layers (sliding window, CSA, HCA; hash and learned routers), 4096 and 8192, liger-dspine with its defaults (the
+attention kernel and hyper-connections included).
 
 The engine is bench_deepseek_v3.py's: one process per configuration, two warm-ups (the first timed from the built
 model: first_step_s), the mean of three timed steps, peak memory over them, the loss of the last step (same model
 and batch for every implementation). A model that the installed transformers or liger-dspine lacks is skipped with
-a line saying so. Writes <out-dir>/family.csv, family.md and family.png; the rows of the models run replace those
-models' rows already in family.csv, so the models can be run in separate commands.
+a line saying so. With --max-seq (or --sweep-only) each implementation's longest sequence at batch 1 is searched too:
+doubling from the model's first length, then bisection to --sweep-step tokens. Writes <out-dir>/family.csv, family.md
+and family.png; the rows of the models and kinds (steps, longest sequence) run replace those already in family.csv,
+so they can be run in separate commands.
 
     python benchmark/bench_family.py                                   # every model at its lengths
     python benchmark/bench_family.py --models deepseek_v32             # one model (needs transformers 5.24)
+    python benchmark/bench_family.py --models deepseek_v4 --sweep-only # the longest sequences
     python benchmark/bench_family.py --tiny --models deepseek_v2 --lengths 4096   # CPU plumbing check
 """
 
@@ -64,7 +67,7 @@ def run(args) -> int:
             continue
         if model in LAYER_PLANS:
             logger.info("%s layer plan: %s", model, LAYER_PLANS[model])
-        for seq in _lengths(model, args):
+        for seq in [] if args.sweep_only else _lengths(model, args):
             for impl in impls:
                 options = LIGER_DSPINE_OPTIONS.get(model, {}) if impl == "liger-dspine" else {}
                 seq_len = TINY_SEQ[seq] if args.tiny else seq
@@ -78,8 +81,10 @@ def run(args) -> int:
                 else:
                     logger.info("%s (timeout %.0f s)", job, min(args.child_timeout_s, remaining - 5))
                     rows += run_child(job, min(args.child_timeout_s, remaining - 5), args)
-            write_rows(csv_path, _merged(csv_path, rows, models, args.fresh))
-    rows = _merged(csv_path, rows, models, args.fresh)
+            write_rows(csv_path, _merged(csv_path, rows, args.fresh))
+        if args.max_seq or args.sweep_only:
+            rows += _sweeps(model, impls, started, args, csv_path, rows)
+    rows = _merged(csv_path, rows, args.fresh)
     write_rows(csv_path, rows)
     report = family_markdown(rows)
     with open(os.path.join(args.out_dir, f"{name}.md"), "w") as handle:
@@ -92,16 +97,41 @@ def run(args) -> int:
     return 0
 
 
+def _sweeps(model: str, impls: list[str], started: float, args, csv_path: str, rows: list[dict]) -> list[dict]:
+    """The longest sequence of each implementation at batch 1: doubling from the model's first benchmarked length,
+    then bisection to ``--sweep-step`` tokens; the peers first, each sweep gets an equal share of what time is left."""
+    args.sweep_start = FAMILY[model][3][0] if not args.tiny else 0
+    order = sorted(impls, key=lambda i: ("liger", "hf", "liger-dspine").index(i))
+    if not liger_kernel_serves(model):
+        order = [i for i in order if i != "liger"]
+    new: list[dict] = []
+    for number, impl in enumerate(order):
+        options = LIGER_DSPINE_OPTIONS.get(model, {}) if impl == "liger-dspine" else {}
+        job = Job("max_seq", impl, impl, family_layers(model, LAYERS), 0, options, model)
+        remaining = args.budget_s - (time.monotonic() - started)
+        timeout = (remaining - 5) / (len(order) - number)
+        if timeout < MIN_CHILD_S:
+            logger.warning("skipping %s: %.0f s left in the budget", job, remaining)
+            new.append(_job_row(job, status="skipped: time budget"))
+            continue
+        logger.info("%s (timeout %.0f s)", job, timeout)
+        new += run_child(job, timeout, args)
+        write_rows(csv_path, _merged(csv_path, rows + new, args.fresh))
+    return new
+
+
 def _lengths(model: str, args) -> list[int]:
     chosen = [int(v) for v in _split(args.lengths)]
     return [seq for seq in FAMILY[model][3] if not chosen or seq in chosen]
 
 
-def _merged(csv_path: str, rows: list[dict], models: list[str], fresh: bool) -> list[dict]:
-    """This run's rows after the rows of other models already in the CSV (unless ``fresh``)."""
+def _merged(csv_path: str, rows: list[dict], fresh: bool) -> list[dict]:
+    """This run's rows after the rows already in the CSV (unless ``fresh``) of the (model, kind) pairs it did not
+    run: the step rows and the longest-sequence rows of a model can come from separate commands."""
     if fresh or not os.path.exists(csv_path):
         return list(rows)
-    kept = [r for r in read_rows([csv_path]) if r.get("model") not in models]
+    ran = {(r.get("model"), r.get("kind")) for r in rows}
+    kept = [r for r in read_rows([csv_path]) if (r.get("model"), r.get("kind")) not in ran]
     return kept + list(rows)
 
 
@@ -114,6 +144,9 @@ def parse_args(argv=None):
     parser.add_argument("--models", default="", help=f"comma list of {', '.join(FAMILY)} (default: all)")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of hf, liger, liger-dspine")
     parser.add_argument("--lengths", default="", help="comma list of token counts to keep, e.g. 4096")
+    parser.add_argument("--max-seq", action="store_true", help="also find each implementation's longest sequence")
+    parser.add_argument("--sweep-only", action="store_true", help="only the longest-sequence sweep (no step rows)")
+    parser.add_argument("--sweep-step", type=int, default=1024, help="resolution of the sweep (tokens)")
     parser.add_argument("--tiny", action="store_true", help="CPU plumbing check: tiny models, fp32, interpreter")
     parser.add_argument("--budget-s", type=float, default=540, help="stop starting processes past this (seconds)")
     parser.add_argument("--child-timeout-s", type=float, default=150, help="kill one configuration after this")
@@ -124,7 +157,9 @@ def parse_args(argv=None):
     parser.add_argument("--fresh", action="store_true", help="do not keep other models' rows of an existing CSV")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    args.sweep_start = 0  # what run_child passes on; no sweep here
+    args.sweep_start = 0  # what run_child passes on; _sweeps sets it per model
+    if args.tiny:
+        args.sweep_step = 0  # the tiny sweep's own resolution
     return args
 
 

@@ -18,6 +18,8 @@ IMPLS = ("hf", "liger", "liger-dspine")
 SPEED_GOAL, PEAK_GOAL, FIRST_STEP_GOAL_S = 1.15, 0.9, 15.0
 # DeepSeek-V4's own: >= 1.5x native tokens/s (at 4096), <= 0.7x liger-kernel's peak at the longest common length
 MODEL_GOALS = {"deepseek_v4": (1.5, 0.7)}
+# ... and a longest sequence (batch 1) at least this many times liger-kernel's
+LONGEST_GOALS = {"deepseek_v4": 2.0}
 
 
 def family_markdown(rows: list[dict]) -> str:
@@ -49,7 +51,58 @@ def family_markdown(rows: list[dict]) -> str:
     failed = [r for r in steps if r.get("impl") != "-" and r.get("status") not in ("ok", None)]
     notes += [f"{r['model']} {r['impl']} {r['seq']}: {r['status']}" for r in failed]
     table = "\n".join(lines) if len(lines) > 2 else ""
-    return "\n\n".join(part for part in (table, "\n".join(f"- {n}" for n in notes)) if part) + "\n"
+    parts = (table, "\n".join(f"- {n}" for n in notes), sweep_markdown(rows))
+    return "\n\n".join(part for part in parts if part) + "\n"
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    """The longest-sequence sweeps: per model and implementation the longest length that ran at batch 1, the
+    shortest that ran out of memory, the peak and step time at the longest; the goals on both."""
+    sweeps = [r for r in rows if r.get("kind") == "max_seq" and r.get("impl") != "-"]
+    header = ["model", "impl", "longest seq", "first OOM", "peak GiB at longest", "step s at longest", "vs liger"]
+    lines = _header_lines(header)
+    notes = []
+    for model in [m for m in FAMILY if any(r.get("model") == m for r in sweeps)]:
+        mine = [r for r in sweeps if r.get("model") == model]
+        longest = {i: _longest(mine, i) for i in IMPLS}
+        for impl in [i for i in IMPLS if any(r["impl"] == i for r in mine)]:
+            best = longest[impl]
+            ooms = [r["seq"] for r in mine if r["impl"] == impl and r.get("status") == "oom"]
+            cells = [f"{model} ({FAMILY[model][0]})", impl, str(best["seq"]) if best else "-"]
+            cells.append(str(min(ooms)) if ooms else "not reached")
+            cells += [_fmt(best and best.get("peak_gib")), _fmt(best and best.get("step_ms") / 1e3, 2)]
+            cells.append(_ratio(best and best["seq"], longest["liger"] and longest["liger"]["seq"]))
+            lines.append("| " + " | ".join(cells) + " |")
+        notes.append(f"{model} longest sequence: {_sweep_goals(model, mine, longest)}")
+    if len(lines) == 2:
+        return ""
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def _longest(rows: list[dict], impl: str) -> dict | None:
+    ran = [r for r in rows if r["impl"] == impl and r.get("status") == "ok"]
+    return max(ran, key=lambda r: r["seq"]) if ran else None
+
+
+def _sweep_goals(model: str, rows: list[dict], longest: dict) -> str:
+    dspine, liger = longest["liger-dspine"], longest["liger"]
+    if not dspine or not liger:
+        return "no liger-dspine or liger sweep"
+    parts = []
+    goal = LONGEST_GOALS.get(model)
+    ratio = dspine["seq"] / liger["seq"]
+    if goal:
+        parts.append(f">= {goal}x liger's: {_yes(ratio >= goal)} ({ratio:.2f}x)")
+    else:
+        parts.append(f"{ratio:.2f}x liger's")
+    ok = {(r["impl"], r["seq"]): r for r in rows if r.get("status") == "ok"}
+    common = [seq for impl, seq in ok if impl == "liger" and ("liger-dspine", seq) in ok]
+    seq = max(common, default=None)
+    if seq and ok[("liger-dspine", seq)]["peak_gib"] and ok[("liger", seq)]["peak_gib"]:
+        peak = ok[("liger-dspine", seq)]["peak_gib"] / ok[("liger", seq)]["peak_gib"]
+        _, peak_goal = MODEL_GOALS.get(model, (SPEED_GOAL, PEAK_GOAL))
+        parts.append(f"peak at the longest common length {seq}: {peak:.2f}x liger's (goal <= {peak_goal}x)")
+    return "; ".join(parts)
 
 
 def _goals(rows: list[dict]) -> str:

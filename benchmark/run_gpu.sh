@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | profile-family | bench-family | bench-family-v32 | bench-family-v4 | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-v4-sweep | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -167,12 +167,18 @@ for step in "$@"; do
     # DeepSeek-V4-Flash-like at 3 layers (needs NEW_TRANSFORMERS=1 for 5.24's V4, or 5.17's); liger-dspine with its
     # defaults (the attention kernel and hyper-connections included)
     bench-family-v4) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v4 ;;
+    # the longest sequence of each implementation at batch 1 (V4's 3-layer plan, to 1024 tokens)
+    bench-family-v4-sweep) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v4 --sweep-only ;;
+    # every Triton compilation of a cold first step at 4096 and of a first step at 6144 (PROFILE_MODEL, default V4)
+    profile-compile)
+      timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_compile.py --model "${PROFILE_MODEL:-deepseek_v4}" \
+        --seq 4096 --second-seq 6144 2>&1 | tee -a "$OUT/profile_compile.txt" ;;
     # DeepSeek-V4's attention kernel alone against transformers' eager attention, per layer kind (4096 tokens)
     bench-sink-attention) BENCH_SCRIPT=benchmark/bench_sink_attention.py run_bench ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | bench-dspine* | bench-family* | bench-sink-attention | bench-capture | train-drafter)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-capture | train-drafter)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

@@ -1,7 +1,8 @@
 """``benchmark/bench_family.py --tiny``: the DeepSeek-family benchmark's plumbing on CPU. DeepSeek-V2 runs through
 all three implementations (one process each); a second run adds GLM-4.7-Flash's liger-kernel row (no patch there: no
 process) and DeepSeek-V3.2 (skipped with its reason while liger-dspine or transformers lacks it) to the same CSV; a
-third adds DeepSeek-V4 at its 3-layer plan, liger-dspine with the opt-in attention kernel."""
+third adds DeepSeek-V4 at its 3-layer plan, liger-dspine with its defaults; a fourth adds DeepSeek-V2's
+longest-sequence sweeps (out of memory simulated above 64 tokens) and keeps its step rows."""
 
 import csv
 import subprocess
@@ -26,6 +27,7 @@ def tiny_run(tmp_path_factory):
     _run(out, "--models", "deepseek_v2")
     _run(out, "--models", "glm4_moe_lite,deepseek_v32", "--impls", "liger")
     _run(out, "--models", "deepseek_v4", "--impls", "hf,liger-dspine")
+    _run(out, "--models", "deepseek_v2", "--impls", "liger,liger-dspine", "--sweep-only")
     with open(out / "tiny_family.csv") as f:
         rows = list(csv.DictReader(f))
     return rows, (out / "tiny_family.md").read_text()
@@ -33,7 +35,7 @@ def tiny_run(tmp_path_factory):
 
 def test_deepseek_v2_through_every_implementation(tiny_run):
     rows, _ = tiny_run
-    steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v2"}
+    steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v2" and row["kind"] == "throughput"}
     assert sorted(steps) == ["hf", "liger", "liger-dspine"]
     for impl, row in steps.items():
         assert row["status"] == "ok", (impl, row["status"])
@@ -56,7 +58,7 @@ def test_second_run_keeps_the_first_runs_rows_and_says_why_not(tiny_run):
 def test_deepseek_v4_runs_its_layer_plan_with_the_defaults(tiny_run):
     """liger-dspine's defaults, which for V4 include the attention kernel and the hyper-connection kernels."""
     rows, report = tiny_run
-    steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v4"}
+    steps = {row["impl"]: row for row in rows if row["model"] == "deepseek_v4" and row["kind"] == "throughput"}
     if not steps or steps.get("-"):
         pytest.skip("this transformers has no deepseek_v4")
     assert sorted(steps) == ["hf", "liger-dspine"]
@@ -66,3 +68,15 @@ def test_deepseek_v4_runs_its_layer_plan_with_the_defaults(tiny_run):
     assert steps["liger-dspine"]["options"] == steps["hf"]["options"] == "{}"
     assert abs(float(steps["liger-dspine"]["loss"]) - float(steps["hf"]["loss"])) < 1e-4
     assert "deepseek_v4 goals: speed >= 1.5x hf" in report
+
+
+def test_sweep_finds_the_longest_sequence_and_keeps_the_step_rows(tiny_run):
+    """Doubling from 32 tokens (the tiny sweep's start) until out of memory, then bisection to 16 tokens."""
+    rows, report = tiny_run
+    sweeps = [row for row in rows if row["model"] == "deepseek_v2" and row["kind"] == "max_seq"]
+    for impl in ("liger", "liger-dspine"):
+        mine = {int(row["seq"]): row["status"] for row in sweeps if row["impl"] == impl}
+        assert mine == {32: "ok", 64: "ok", 128: "oom", 96: "oom", 80: "oom"}, (impl, mine)
+    assert sum(row["kind"] == "throughput" for row in rows if row["model"] == "deepseek_v2") == 3
+    assert "| deepseek_v2 (DeepSeek-V2-Lite-like) | liger-dspine | 64 | 80 |" in report
+    assert "deepseek_v2 longest sequence: 1.00x liger's" in report
