@@ -39,6 +39,19 @@ class CompileLog:
 
         self._last_stages = None
         compiler_module.compile = timed_compile
+        self.builds: list[float] = []  # C launchers compiled with the host compiler (Triton 3.6 builds one per
+        build_module = getattr(__import__("triton.runtime.build").runtime, "build", None)  # kernel signature)
+        if build_module is not None and hasattr(build_module, "_build"):
+            build = build_module._build
+
+            def timed_build(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return build(*args, **kwargs)
+                finally:
+                    log.builds.append(time.perf_counter() - started)
+
+            build_module._build = timed_build
         knobs = getattr(triton, "knobs", None)
         if knobs is not None and hasattr(getattr(knobs, "compilation", None), "listener"):
 
@@ -61,14 +74,19 @@ class CompileLog:
                 shown[str(label)] = value
         return dict(kernel=name, constants=shown)
 
-    def take(self) -> list[dict]:
+    def take(self) -> tuple[list[dict], list[float]]:
         taken, self.records = self.records, []
-        return taken
+        builds, self.builds = self.builds, []
+        return taken, builds
 
 
-def report(title: str, records: list[dict], wall_s: float) -> None:
+def report(title: str, taken: tuple[list[dict], list[float]], wall_s: float) -> None:
+    records, builds = taken
     total = sum(r["seconds"] for r in records)
-    print(f"\n## {title}: wall {wall_s:.1f} s, {len(records)} compilations, {total:.1f} s compiling")
+    print(
+        f"\n## {title}: wall {wall_s:.1f} s, {len(records)} compilations, {total:.1f} s compiling; "
+        f"{len(builds)} launcher builds, {sum(builds):.1f} s"
+    )
     by_kernel = collections.defaultdict(list)
     for record in records:
         by_kernel[record["kernel"]].append(record)

@@ -5,14 +5,21 @@
     post = post_mult * sigmoid(scale_post * mix_post + base_post)                       [N, hc]
     comb = Sinkhorn(softmax(scale_res * mix_res + base_res) + eps)                      [N, hc, hc]
 
-The split, the sigmoids and the Sinkhorn iterations run in liger-kernel's kernels (one program per token; the
-backward replays the iterations from their saved history); the projection in this package's kernel.
+Sinkhorn here is DeepSeek-V4's: a column normalisation, then ``iters - 1`` pairs of row and column normalisations,
+each dividing by the sum plus eps (2 iters - 1 steps). One kernel computes the three from ``mix``; the backward
+kernel recomputes the steps' inputs from the softmax instead of keeping them (for each step in reverse, the steps
+before it again: about iters^2 normalisations of an hc x hc matrix per token, no memory). Token count and iteration
+count are run-time values: one compilation per hc (liger-kernel's kernels compile again for each token count).
 """
 
 import torch
+import triton
+import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.mhc_projection import liger_mhc_projection
+
+BLOCK_T = 32  # tokens per program
 
 
 def _streams(num_out: int) -> int:
@@ -20,57 +27,156 @@ def _streams(num_out: int) -> int:
     return round((1 + num_out) ** 0.5) - 1
 
 
+@triton.jit
+def _comb_logits(mix_ptr, base_ptr, scale_ptr, rows, row_ok, HC: tl.constexpr, HP: tl.constexpr):
+    """([T, HP, HP] fp32 logits of comb, [1, HP, HP] valid): entry [t, j, k] is mix[t, 2 hc + j hc + k]."""
+    j = tl.arange(0, HP)[None, :, None]
+    k = tl.arange(0, HP)[None, None, :]
+    valid = (j < HC) & (k < HC)
+    column = 2 * HC + j * HC + k
+    loaded = tl.load(mix_ptr + rows[:, None, None] * (2 * HC + HC * HC) + column, mask=row_ok[:, None, None] & valid)
+    base = tl.load(base_ptr + column, mask=valid, other=0.0)
+    return loaded * tl.load(scale_ptr + 2) + base, valid
+
+
+@triton.jit
+def _row_softmax(logits, valid):
+    logits = tl.where(valid, logits, -1e30)
+    e = tl.where(valid, tl.exp(logits - tl.max(logits, axis=2)[:, :, None]), 0.0)
+    total = tl.sum(e, axis=2)
+    return e / tl.where(total > 0, total, 1.0)[:, :, None]
+
+
+@triton.jit
+def _divisor(p, by_column, eps):
+    """Sum + eps of each column (over j) or each row (over k), broadcast to [T, HP, HP]."""
+    columns = tl.sum(p, axis=1)[:, None, :] + eps
+    rows = tl.sum(p, axis=2)[:, :, None] + eps
+    return tl.where(by_column, columns, rows)
+
+
+@triton.jit
+def _sinkhorn_input(logits, valid, steps, eps):
+    """The matrix before normalisation step ``steps`` (0: the softmax plus eps; even steps are by column)."""
+    p = tl.where(valid, _row_softmax(logits, valid) + eps, 0.0)
+    for step in range(0, steps):
+        p = p / _divisor(p, step % 2 == 0, eps)
+    return p
+
+
+@triton.jit
+def _mhc_sinkhorn_forward_kernel(
+    mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, num_rows, iters, pre_eps, sinkhorn_eps, post_mult,
+    HC: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_rows
+    streams = tl.arange(0, HP)
+    ok = row_ok[:, None] & (streams < HC)[None, :]
+    first = mix_ptr + rows[:, None] * (2 * HC + HC * HC) + streams[None, :]
+    z_pre = tl.load(first, mask=ok) * tl.load(scale_ptr) + tl.load(base_ptr + streams, mask=streams < HC)
+    z_post = tl.load(first + HC, mask=ok) * tl.load(scale_ptr + 1)
+    z_post += tl.load(base_ptr + HC + streams, mask=streams < HC)
+    out = rows[:, None] * HC + streams[None, :]
+    tl.store(pre_ptr + out, tl.sigmoid(z_pre) + pre_eps, mask=ok)
+    tl.store(post_ptr + out, post_mult * tl.sigmoid(z_post), mask=ok)
+
+    logits, valid = _comb_logits(mix_ptr, base_ptr, scale_ptr, rows, row_ok, HC, HP)
+    comb = _sinkhorn_input(logits, valid, 2 * iters - 1, sinkhorn_eps)
+    entries = tl.arange(0, HP)[None, :, None] * HC + tl.arange(0, HP)[None, None, :]
+    tl.store(comb_ptr + rows[:, None, None] * (HC * HC) + entries, comb, mask=row_ok[:, None, None] & valid)
+
+
+@triton.jit
+def _mhc_sinkhorn_backward_kernel(
+    mix_ptr, base_ptr, scale_ptr, grad_pre_ptr, grad_post_ptr, grad_comb_ptr, grad_logits_ptr,
+    num_rows, iters, sinkhorn_eps, post_mult,
+    HC: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """d logits [N, M] fp32 (logits = scale * mix + base, in mix's column order) from d pre, d post, d comb."""
+    width = 2 * HC + HC * HC
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_rows
+    streams = tl.arange(0, HP)
+    ok = row_ok[:, None] & (streams < HC)[None, :]
+    first = mix_ptr + rows[:, None] * width + streams[None, :]
+    out = rows[:, None] * HC + streams[None, :]
+    sig = tl.sigmoid(tl.load(first, mask=ok) * tl.load(scale_ptr) + tl.load(base_ptr + streams, mask=streams < HC))
+    grad = tl.load(grad_pre_ptr + out, mask=ok, other=0.0) * sig * (1 - sig)
+    tl.store(grad_logits_ptr + rows[:, None] * width + streams[None, :], grad, mask=ok)
+    z_post = tl.load(first + HC, mask=ok) * tl.load(scale_ptr + 1)
+    sig = tl.sigmoid(z_post + tl.load(base_ptr + HC + streams, mask=streams < HC))
+    grad = tl.load(grad_post_ptr + out, mask=ok, other=0.0) * post_mult * sig * (1 - sig)
+    tl.store(grad_logits_ptr + rows[:, None] * width + HC + streams[None, :], grad, mask=ok)
+
+    logits, valid = _comb_logits(mix_ptr, base_ptr, scale_ptr, rows, row_ok, HC, HP)
+    entries = tl.arange(0, HP)[None, :, None] * HC + tl.arange(0, HP)[None, None, :]
+    comb_ok = row_ok[:, None, None] & valid
+    grad = tl.load(grad_comb_ptr + rows[:, None, None] * (HC * HC) + entries, mask=comb_ok, other=0.0)
+    steps = 2 * iters - 1
+    for back in range(0, steps):  # d input of each step, last step first: y = x / s, d x = (d y - sum(d y * y)) / s
+        step = steps - 1 - back
+        by_column = step % 2 == 0
+        x = _sinkhorn_input(logits, valid, step, sinkhorn_eps)
+        divisor = _divisor(x, by_column, sinkhorn_eps)
+        weighted = grad * (x / divisor)
+        along = tl.where(by_column, tl.sum(weighted, axis=1)[:, None, :], tl.sum(weighted, axis=2)[:, :, None])
+        grad = tl.where(valid, (grad - along) / divisor, 0.0)
+    soft = _row_softmax(logits, valid)  # the eps is a constant: d softmax = d (softmax + eps)
+    grad = soft * (grad - tl.sum(grad * soft, axis=2)[:, :, None])
+    tl.store(grad_logits_ptr + rows[:, None, None] * width + 2 * HC + entries, grad, mask=comb_ok)
+
+
+def _launch(rows: int):
+    return (triton.cdiv(rows, BLOCK_T),)
+
+
 @torch.library.custom_op("liger_dspine::mhc_sinkhorn", mutates_args=())
 def _mhc_sinkhorn(
     mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, pre_eps: float, sinkhorn_eps: float,
     post_mult: float, outer: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(pre [*outer, hc], post [*outer, hc], comb [*outer, hc, hc], history [N, iters, hc, hc]) fp32 of contiguous
-    fp32 mix [N, M] (N = prod(outer)), base [M] and scale [3], in liger-kernel's kernel."""
-    from liger_kernel.ops.mhc import mhc_split_sinkhorn_fwd
-
-    pre, post, comb, history = _sinkhorn_outputs(mix, iters, outer)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(pre [*outer, hc], post [*outer, hc], comb [*outer, hc, hc]) fp32 of contiguous fp32 mix [N, M]
+    (N = prod(outer)), base [M] and scale [3]."""
+    pre, post, comb = _sinkhorn_outputs(mix, outer)
     rows, hc = mix.shape[0], pre.shape[-1]
-    alphas = [scale[i].contiguous() for i in range(3)]
-    mhc_split_sinkhorn_fwd(
-        mix, base, *alphas, tmax=iters, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult,
-        out_hpre=pre.view(rows, hc), out_hpost=post.view(rows, hc), out_hres=comb.view(rows, hc, hc),
-        out_hist=history, return_hist=True,
-    )  # fmt: skip
-    return pre, post, comb, history
+    if rows:
+        _mhc_sinkhorn_forward_kernel[_launch(rows)](
+            mix, base, scale, pre, post, comb, rows, iters, pre_eps, sinkhorn_eps, post_mult,
+            HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2,
+        )  # fmt: skip
+    return pre, post, comb
 
 
-def _sinkhorn_outputs(mix: torch.Tensor, iters: int, outer: list[int]):
+def _sinkhorn_outputs(mix: torch.Tensor, outer: list[int]):
     hc = _streams(mix.shape[1])
-    return (
-        mix.new_empty(*outer, hc),
-        mix.new_empty(*outer, hc),
-        mix.new_empty(*outer, hc, hc),
-        mix.new_empty(mix.shape[0], iters, hc, hc),
-    )
+    return mix.new_empty(*outer, hc), mix.new_empty(*outer, hc), mix.new_empty(*outer, hc, hc)
 
 
 @_mhc_sinkhorn.register_fake
 def _(mix, base, scale, iters, pre_eps, sinkhorn_eps, post_mult, outer):
-    return _sinkhorn_outputs(mix, iters, outer)
+    return _sinkhorn_outputs(mix, outer)
 
 
 @torch.library.custom_op("liger_dspine::mhc_sinkhorn_backward", mutates_args=())
 def _mhc_sinkhorn_backward(
-    mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, grad_comb: torch.Tensor, history: torch.Tensor,
-    sinkhorn_eps: float,
+    mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, grad_pre: torch.Tensor, grad_post: torch.Tensor,
+    grad_comb: torch.Tensor, iters: int, sinkhorn_eps: float, post_mult: float,
 ) -> torch.Tensor:  # fmt: skip
-    """d logits of comb [N, hc, hc] fp32 from d comb, replaying the saved Sinkhorn iterations (liger-kernel's)."""
-    from liger_kernel.ops.mhc import mhc_sinkhorn_bwd
-
-    return mhc_sinkhorn_bwd(
-        mix, base, scale[2].contiguous(), grad_comb, tmax=history.shape[1], sinkhorn_eps=sinkhorn_eps, hist=history
-    )
+    """d logits [N, M] fp32 from contiguous fp32 d pre [N, hc], d post [N, hc] and d comb [N, hc, hc]."""
+    grad_logits = torch.empty_like(mix)
+    rows, hc = mix.shape[0], grad_pre.shape[-1]
+    if rows:
+        _mhc_sinkhorn_backward_kernel[_launch(rows)](
+            mix, base, scale, grad_pre, grad_post, grad_comb, grad_logits, rows, iters, sinkhorn_eps, post_mult,
+            HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2,
+        )  # fmt: skip
+    return grad_logits
 
 
 @_mhc_sinkhorn_backward.register_fake
-def _(mix, base, scale, grad_comb, history, sinkhorn_eps):
-    return torch.empty_like(grad_comb)
+def _(mix, base, scale, grad_pre, grad_post, grad_comb, iters, sinkhorn_eps, post_mult):
+    return torch.empty_like(mix)
 
 
 class LigerMHCSinkhornFunction(torch.autograd.Function):
@@ -82,32 +188,25 @@ class LigerMHCSinkhornFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mix, base, scale, iters, pre_eps, sinkhorn_eps, post_mult, outer):
         base32, scale32 = base.float().contiguous(), scale.float().contiguous()
-        pre, post, comb, history = _mhc_sinkhorn(mix, base32, scale32, iters, pre_eps, sinkhorn_eps, post_mult, outer)
-        ctx.save_for_backward(mix, base32, scale32, history)
+        pre, post, comb = _mhc_sinkhorn(mix, base32, scale32, iters, pre_eps, sinkhorn_eps, post_mult, outer)
+        ctx.save_for_backward(mix, base32, scale32)
         ctx.iters, ctx.sinkhorn_eps, ctx.post_mult = iters, sinkhorn_eps, post_mult
         ctx.dtypes = (base.dtype, scale.dtype)
         return pre, post, comb
 
     @staticmethod
     def backward(ctx, grad_pre, grad_post, grad_comb):
-        mix, base, scale, history = ctx.saved_tensors
-        hc = grad_pre.shape[-1]
-        grad_pre, grad_post = grad_pre.reshape(-1, hc), grad_post.reshape(-1, hc)
-        mix_pre, mix_post, mix_res = mix[:, :hc], mix[:, hc : 2 * hc], mix[:, 2 * hc :]
-        # d logits of each part; pre's eps and post's multiplier are constants of the sigmoids
-        sig_pre = torch.sigmoid(mix_pre * scale[0] + base[:hc])
-        sig_post = torch.sigmoid(mix_post * scale[1] + base[hc : 2 * hc])
-        grad_pre_logits = grad_pre.float() * sig_pre * (1 - sig_pre)
-        grad_post_logits = grad_post.float() * ctx.post_mult * sig_post * (1 - sig_post)
-        grad_res_logits = _mhc_sinkhorn_backward(
-            mix, base, scale, grad_comb.float().reshape(-1, hc, hc).contiguous(), history, ctx.sinkhorn_eps
-        ).reshape(mix.shape[0], hc * hc)
-        logits_grads = (grad_pre_logits, grad_post_logits, grad_res_logits)
-        grad_mix = torch.cat([g * scale[i] for i, g in enumerate(logits_grads)], dim=1)
-        grad_base = torch.cat([g.sum(0) for g in logits_grads])
-        grad_scale = torch.stack([(g * m).sum() for g, m in zip(logits_grads, (mix_pre, mix_post, mix_res))])
+        mix, base, scale = ctx.saved_tensors
+        hc = _streams(mix.shape[1])
+        grads = [g.float().reshape(mix.shape[0], *shape).contiguous() for g, shape in zip(
+            (grad_pre, grad_post, grad_comb), ((hc,), (hc,), (hc, hc))
+        )]  # fmt: skip
+        grad_logits = _mhc_sinkhorn_backward(mix, base, scale, *grads, ctx.iters, ctx.sinkhorn_eps, ctx.post_mult)
+        parts = (slice(0, hc), slice(hc, 2 * hc), slice(2 * hc, None))
+        grad_mix = torch.cat([grad_logits[:, part] * scale[i] for i, part in enumerate(parts)], dim=1)
+        grad_scale = torch.stack([(grad_logits[:, part] * mix[:, part]).sum() for part in parts])
         base_dtype, scale_dtype = ctx.dtypes
-        return grad_mix, grad_base.to(base_dtype), grad_scale.to(scale_dtype), None, None, None, None, None
+        return grad_mix, grad_logits.sum(0).to(base_dtype), grad_scale.to(scale_dtype), None, None, None, None, None
 
 
 def liger_mhc_coefficients(

@@ -79,7 +79,8 @@ def _mhc_projection_backward_kernel(
 
 
 def _block_m(num_out: int) -> int:
-    return max(16, triton.next_power_of_2(num_out))
+    """At least 32: V4's layers (M = 24) and its final collapse (M = 4) then share one compilation per direction."""
+    return max(32, triton.next_power_of_2(num_out))
 
 
 @torch.library.custom_op("liger_dspine::mhc_projection", mutates_args=())

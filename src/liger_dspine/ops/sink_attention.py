@@ -94,7 +94,14 @@ def _grad_query_step(scores, kv, grad_out, lse, delta, PRECISION: tl.constexpr):
     return tl.dot(grad_scores.to(kv.dtype), kv, input_precision=PRECISION)
 
 
-@triton.jit
+# Not specialised on (a value of 1, a multiple of 16): the sizes and the mask's and bias's strides, so that one
+# compilation serves every layer kind and length (CSA's bias is a slice of a [.., C + 1] tensor, HCA's is not).
+_SIZES_AND_ADDEND_STRIDES = (
+    "seq_len", "num_compressed", "num_heads", "window", "stride_mb", "stride_mq", "stride_bb", "stride_bq",
+)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_SIZES_AND_ADDEND_STRIDES)
 def _sink_attention_forward_kernel(
     q_ptr, kv_ptr, mask_ptr, bias_ptr, sinks_ptr, out_ptr, lse_ptr,
     seq_len, num_compressed, num_heads, window, scale,
@@ -156,7 +163,7 @@ def _sink_attention_forward_kernel(
     tl.store(lse_ptr + (batch * num_heads + heads) * seq_len + queries, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES_AND_ADDEND_STRIDES)
 def _sink_attention_dq_kernel(
     q_ptr, kv_ptr, mask_ptr, bias_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr,
     seq_len, num_compressed, num_heads, window, scale,
@@ -213,7 +220,7 @@ def _sink_attention_dq_kernel(
     tl.store(grad_q_ptr + q_offsets, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES_AND_ADDEND_STRIDES)
 def _sink_attention_dkv_kernel(
     q_ptr, kv_ptr, mask_ptr, bias_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_kv_ptr,
     seq_len, num_compressed, num_heads, window, scale,
@@ -324,7 +331,8 @@ def _launch_arguments(q, kv, mask, bias, seq_len, window, scale):
         ),  # fmt: skip
         dict(
             HAS_MASK=mask is not None,
-            HAS_BIAS=bias is not None,
+            # without compressed entries the bias is never read: one compilation for both kinds of layer
+            HAS_BIAS=bias is not None or kv.shape[1] == seq_len,
             BLOCK_Q=BLOCK_Q,
             GROUP_H=_group_heads(num_heads, q.shape[3]),
             # fp32 inputs keep fp32 products (Triton's default for them on a GPU is TF32)

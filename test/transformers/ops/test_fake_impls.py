@@ -34,6 +34,7 @@ from liger_dspine.ops import liger_kernel_ops
 from liger_dspine.ops import linear_cross_entropy
 from liger_dspine.ops import mhc_coefficients
 from liger_dspine.ops import mhc_projection
+from liger_dspine.ops import mhc_streams
 from liger_dspine.ops import moe_router
 from liger_dspine.ops import scaled_write
 from liger_dspine.ops import silu_mul_rows
@@ -264,6 +265,13 @@ def case_mhc_coefficients():
     return mhc_coefficients.liger_mhc_coefficients(streams, fn, base, scale, 5, 1e-6, 1e-6, 1e-6), [fn, base, scale]
 
 
+def case_mhc_streams():
+    streams, f = randn(2, 3, 4, 40, grad=True), randn(2, 3, 40, grad=True)
+    pre, post, comb = randn(2, 3, 4, grad=True), randn(2, 3, 4, grad=True), randn(2, 3, 4, 4, grad=True)
+    collapsed = mhc_streams.liger_mhc_collapse(streams, pre)
+    return (collapsed, mhc_streams.liger_mhc_mix(streams, f, post, comb)), [streams, f, pre, post, comb]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -296,6 +304,7 @@ CASES = {
     case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),
     case_mhc_projection: ("mhc_projection", "mhc_projection_backward"),
     case_mhc_coefficients: ("mhc_projection", "mhc_projection_backward", "mhc_sinkhorn", "mhc_sinkhorn_backward"),
+    case_mhc_streams: ("mhc_collapse", "mhc_collapse_backward", "mhc_mix", "mhc_mix_backward"),
 }
 
 
