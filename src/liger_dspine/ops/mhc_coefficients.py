@@ -18,6 +18,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.mhc_projection import liger_mhc_projection
+from liger_dspine.ops.precompile import precompile
 
 BLOCK_T = 32  # tokens per program
 
@@ -189,6 +190,12 @@ class LigerMHCSinkhornFunction(torch.autograd.Function):
     def forward(ctx, mix, base, scale, iters, pre_eps, sinkhorn_eps, post_mult, outer):
         base32, scale32 = base.float().contiguous(), scale.float().contiguous()
         pre, post, comb = _mhc_sinkhorn(mix, base32, scale32, iters, pre_eps, sinkhorn_eps, post_mult, outer)
+        if mix.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+            hc = pre.shape[-1]
+            precompile(
+                _mhc_sinkhorn_backward_kernel, mix, base32, scale32, pre, post, comb, mix, mix.shape[0], iters,
+                sinkhorn_eps, post_mult, HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2,
+            )  # fmt: skip
         ctx.save_for_backward(mix, base32, scale32)
         ctx.iters, ctx.sinkhorn_eps, ctx.post_mult = iters, sinkhorn_eps, post_mult
         ctx.dtypes = (base.dtype, scale.dtype)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.precompile import precompile
 
 BLOCK_ROWS = 32
 BLOCK_K = 128
@@ -134,6 +135,12 @@ class LigerMHCProjectionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, eps):
         mix, invr = _mhc_projection(x, fn, eps)
+        if x.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+            (num_rows, width), num_out = x.shape, fn.shape[0]
+            precompile(
+                _mhc_projection_backward_kernel, x, fn, mix, invr, mix, x, mix, num_rows, width, num_out,
+                BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K, BLOCK_M=_block_m(num_out), ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
+            )  # fmt: skip
         ctx.save_for_backward(x, fn, mix, invr)
         ctx.mark_non_differentiable(invr)
         return mix, invr

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.precompile import precompile
 
 BLOCK_T = 4
 BLOCK_C = 256
@@ -221,6 +222,11 @@ def _(x, f, post, comb, grad_out):
     return torch.empty_like(x), torch.empty_like(f), torch.empty_like(post), torch.empty_like(comb)
 
 
+def _precompiles(ctx, x: torch.Tensor) -> bool:
+    """Whether to compile the backward's kernel while the forward goes on (ops/precompile.py)."""
+    return x.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling()
+
+
 class LigerMHCCollapseFunction(torch.autograd.Function):
     """``(x [..., hc, C], pre [..., hc] fp32)`` -> ``y [..., C]``, inputs contiguous; see the module's docstring."""
 
@@ -229,7 +235,11 @@ class LigerMHCCollapseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pre):
         ctx.save_for_backward(x, pre)
-        return _mhc_collapse(x, pre)
+        out = _mhc_collapse(x, pre)
+        if _precompiles(ctx, x):
+            rows, hc, width = _sizes(x)
+            precompile(_mhc_collapse_backward_kernel, x, pre, out, x, pre, rows, width, **_meta(hc))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -246,7 +256,13 @@ class LigerMHCMixFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, f, post, comb):
         ctx.save_for_backward(x, f, post, comb)
-        return _mhc_mix(x, f, post, comb)
+        out = _mhc_mix(x, f, post, comb)
+        if _precompiles(ctx, x):
+            rows, hc, width = _sizes(x)
+            precompile(
+                _mhc_mix_backward_kernel, x, f, post, comb, out, x, f, post, comb, rows, width, **_meta(hc)
+            )  # fmt: skip
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.precompile import precompile
 
 BLOCK_Q = 16
 BLOCK_N = 32
@@ -408,6 +409,16 @@ def _sink_attention_backward(
     return grad_q, grad_kv.to(kv.dtype)
 
 
+def _precompile_backward(q, kv, mask, bias, out, lse, window, scale) -> None:
+    """The backward's two kernels, compiled while the forward goes on (ops/precompile.py)."""
+    mask_arg, bias_arg, sizes, strides, flags = _launch_arguments(q, kv, mask, bias, q.shape[2], window, scale)
+    tensors = (q, kv, mask_arg, bias_arg, out, lse, lse)  # grad_out is laid out as out, delta as lse
+    common = (*sizes, *strides, out.stride(0), out.stride(1), out.stride(2))
+    meta = dict(flags, BLOCK_N=BLOCK_N, HEAD_DIM=q.shape[3])
+    precompile(_sink_attention_dq_kernel, *tensors, q, *common, **meta)
+    precompile(_sink_attention_dkv_kernel, *tensors, lse, *common, **meta, QUERY_CHUNK=QUERY_CHUNK)  # fp32 dkv
+
+
 @_sink_attention_backward.register_fake
 def _(grad_out, q, kv, mask, bias, lse, delta, window, scale):
     return torch.empty_like(q), torch.empty_like(kv)
@@ -421,6 +432,8 @@ class LigerSinkAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, sinks, mask, bias, window, scale):
         out, lse = _sink_attention(q, kv, sinks.float(), mask, bias, window, scale)
+        if q.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+            _precompile_backward(q, kv, mask, bias, out, lse, window, scale)
         ctx.save_for_backward(q, kv, sinks, mask, bias, out, lse)
         ctx.window, ctx.scale = window, scale
         return out

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.precompile import precompile
 
 ROWS = 4  # head vectors per program
 
@@ -163,6 +164,16 @@ class LigerTrailingRopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, eps, norm):
         out, rstd = _trailing_rope(x, cos, sin, eps, norm)
+        if x.is_cuda and ctx.needs_input_grad[0] and not torch.compiler.is_compiling():
+            # the backward's kernel, compiled while the forward goes on (ops/precompile.py); without the norm it
+            # gets the contiguous gradient in x's place
+            batch, seq_len, num_heads, head_dim = x.shape
+            strides = x.stride()[:3] if norm else out.stride()[:3]
+            precompile(
+                _trailing_rope_backward_kernel, out, x, rstd, cos, sin, x, batch * seq_len * num_heads, seq_len,
+                num_heads, head_dim - 2 * cos.shape[-1], *strides, *_angle_strides(cos),
+                NORM=norm, HEAD_DIM=head_dim, ROWS=ROWS,
+            )  # fmt: skip
         ctx.save_for_backward(x if norm else x.new_empty(0), rstd, cos, sin)
         ctx.norm = norm
         return out

@@ -61,5 +61,6 @@ def test_wrong_coefficient_shapes_are_an_error(device):
 
 @pytest.mark.cuda
 def test_cuda_bf16_against_fp64():
-    """bf16 streams at V4's widths (hc 4, C 4096): fp32 sums, so the only error is the output's rounding."""
-    run_both((2, 300), 4, 4096, torch.bfloat16, "cuda", dict(atol=2e-2, rtol=1.6e-2), seed=3)
+    """bf16 streams at V4's widths (hc 4, C 4096): fp32 sums, so the only errors are the outputs' rounding (the
+    streams' gradient is two rounded bf16 terms, collapse's and mix's, added in bf16: up to 1.5 ulp, 0.05 at 8)."""
+    run_both((2, 300), 4, 4096, torch.bfloat16, "cuda", dict(atol=6.25e-2, rtol=1.6e-2), seed=3)
