@@ -69,7 +69,7 @@ SUITES = {
 }
 SWEEP = dict(start=32768, step=8192, stop=262144)
 # --tiny maps the real shapes onto CPU-sized ones (the interpreter is ~500x slower than eager).
-TINY_SEQ = {4096: 16, 8192: 24, 16384: 32, 32768: 48}
+TINY_SEQ = {4096: 16, 7168: 20, 8192: 24, 16384: 32, 32768: 48}
 TINY_LAYERS = {2: 2, 8: 3}
 TINY_SWEEP = dict(start=32, step=16, stop=128, simulate_oom_above=64)
 MIN_CHILD_S = 45  # a configuration is not started with less time than this left in the budget

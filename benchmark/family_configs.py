@@ -88,7 +88,7 @@ FAMILY = {
     "deepseek_v2": ("DeepSeek-V2-Lite-like", "DeepseekV2", DEEPSEEK_V2_LITE, (4096, 16384)),
     "glm4_moe_lite": ("GLM-4.7-Flash-like", "Glm4MoeLite", GLM_47_FLASH, (4096, 16384)),
     "deepseek_v32": ("DeepSeek-V3.2-like", "DeepseekV32", DEEPSEEK_V32_SLIM, (4096, 8192)),
-    "deepseek_v4": ("DeepSeek-V4-Flash-like", "DeepseekV4", DEEPSEEK_V4_SLIM, (4096, 8192)),
+    "deepseek_v4": ("DeepSeek-V4-Flash-like", "DeepseekV4", DEEPSEEK_V4_SLIM, (4096, 7168, 8192)),
 }
 # models benchmarked at another depth than 2 layers, with their per-layer plan
 LAYER_PLANS = {
