@@ -47,10 +47,9 @@ def apply_liger_kernel_to_deepseek_v4(
         vocab_chunked_lce: (keyword-only) as for ``apply_liger_kernel_to_deepseek_v3``.
         hyper_connections: (keyword-only) ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer``: each
             layer's two hyper-connection mixes (coefficients with their Sinkhorn normalisation, collapse, expand and
-            mix) in Triton kernels: the coefficients' projection in this package's, the Sinkhorn normalisation, the
-            collapse and the mix in liger-kernel's mHC kernels; and ``DeepseekV4HyperHead`` ->
-            ``LigerDeepseekV4HyperHead``, the final collapse of the streams, the same way. Native under
-            ``torch.compile``.
+            mix) in this package's Triton kernels, all with the token count as a run-time value; and
+            ``DeepseekV4HyperHead`` -> ``LigerDeepseekV4HyperHead``, the final collapse of the streams, the same
+            way. Native under ``torch.compile``.
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
     The key-value head's norm and RoPE, the compressors and their indexer stay native.
