@@ -115,7 +115,7 @@ V4 = dict(
     o_groups=2,
     o_lora_rank=8,
     index_n_heads=2,
-    index_head_dim=8,
+    index_head_dim=16,  # the fused indexer kernel's smallest head dim
     index_topk=2,
     max_position_embeddings=128,
     output_router_logits=True,
@@ -291,13 +291,14 @@ CASES = {
             forwards="liger_dspine.models.minicpm3.forward",
         ),
         # DSA: the indexer keeps 4 of up to 8 keys per query, so its sparse mask changes the attention; the MLA
-        # attention with the indexer stays native
+        # attention stays native, the indexer's scores run in the fused kernel
         FamilyCase(
             "deepseek_v32",
             "DeepseekV32",
             {**COMMON, **DSA, "first_k_dense_replace": 1},
-            _case("deepseek_v32", "DeepseekV32", {}, mla=False).swapped,
+            _case("deepseek_v32", "DeepseekV32", {}, mla=False).swapped + ("DeepseekV32Indexer",),
             mla=False,
+            liger_modules=("liger_dspine.models.deepseek_v32.modules", "liger_dspine.models.deepseek_v32.indexer"),
             native_kept=("DeepseekV32Attention",),
         ),
         # as DeepSeek-V3.2; the second layer reuses the first layer's top-k ("shared" indexer type)
@@ -343,6 +344,7 @@ CASES = {
                 "DeepseekV4Attention",
                 "DeepseekV4DecoderLayer",
                 "DeepseekV4HyperHead",
+                "DeepseekV4IndexerScorer",
                 "DeepseekV4ForCausalLM.forward",
             ),
             mla=False,
@@ -352,6 +354,7 @@ CASES = {
                 "liger_dspine.models.deepseek_v4.router",
                 "liger_dspine.models.deepseek_v4.attention",
                 "liger_dspine.models.deepseek_v4.hyper_connections",
+                "liger_dspine.models.deepseek_v4.indexer",
             ),
             native_kept=("DeepseekV4UnweightedRMSNorm",),
             fp64_reference=True,

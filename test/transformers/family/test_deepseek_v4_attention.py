@@ -22,6 +22,7 @@ ONLY_ATTENTION = dict(
     moe_router=False,
     grouped_experts=False,
     hyper_connections=False,
+    indexer=False,
 )
 
 

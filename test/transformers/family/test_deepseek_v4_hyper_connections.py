@@ -26,6 +26,7 @@ ONLY_HYPER_CONNECTIONS = dict(
     grouped_experts=False,
     rope=False,
     hyper_connections=True,
+    indexer=False,
 )
 
 

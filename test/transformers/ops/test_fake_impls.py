@@ -29,6 +29,7 @@ from liger_dspine.ops import frozen_head_loss
 from liger_dspine.ops import frozen_head_objective
 from liger_dspine.ops import grouped_experts
 from liger_dspine.ops import hash_router
+from liger_dspine.ops import indexer_scores
 from liger_dspine.ops import interleaved_rope
 from liger_dspine.ops import liger_kernel_ops
 from liger_dspine.ops import linear_cross_entropy
@@ -265,6 +266,11 @@ def case_mhc_coefficients():
     return mhc_coefficients.liger_mhc_coefficients(streams, fn, base, scale, 5, 1e-6, 1e-6, 1e-6), [fn, base, scale]
 
 
+def case_indexer_scores():
+    q, k, weights = randn(2, 9, 3, 16), randn(2, 11, 16), randn(2, 9, 3)
+    return indexer_scores.liger_indexer_scores(q, k, weights, 0.25), []
+
+
 def case_mhc_streams():
     streams, f = randn(2, 3, 4, 40, grad=True), randn(2, 3, 40, grad=True)
     pre, post, comb = randn(2, 3, 4, grad=True), randn(2, 3, 4, grad=True), randn(2, 3, 4, 4, grad=True)
@@ -305,6 +311,7 @@ CASES = {
     case_mhc_projection: ("mhc_projection", "mhc_projection_backward"),
     case_mhc_coefficients: ("mhc_projection", "mhc_projection_backward", "mhc_sinkhorn", "mhc_sinkhorn_backward"),
     case_mhc_streams: ("mhc_collapse", "mhc_collapse_backward", "mhc_mix", "mhc_mix_backward"),
+    case_indexer_scores: ("indexer_scores",),
 }
 
 

@@ -17,6 +17,7 @@ def apply_liger_kernel_to_deepseek_v32(
     fused_experts: bool = False,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
+    indexer: bool = True,
 ) -> patching.PatchReport:
     """Swap the modules of DeepSeek-V3.2 (``deepseek_v32``) for Liger kernels; liger-kernel's parameter order.
 
@@ -25,8 +26,11 @@ def apply_liger_kernel_to_deepseek_v32(
     experts -> ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``DeepseekV32TopkRouter`` ->
     ``LigerDeepseekV32TopkRouter``; ``DeepseekV32ForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
 
-    Its MLA attention and DSA indexer stay native (see ``models/deepseek_v32/spec.py``), so ``rope``, kept for
-    liger-kernel's parameter order, must be False.
+    ``indexer`` (keyword-only): ``DeepseekV32Indexer`` -> ``LigerDeepseekV32Indexer``, the DSA indexer's scores in
+    one fused kernel without the fp32 [B, S, index heads, T] tensor; its projections, RoPE, mask and top-k as native.
+
+    Its MLA attention stays native (see ``models/deepseek_v32/spec.py``), so ``rope``, kept for liger-kernel's
+    parameter order, must be False.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -44,6 +48,7 @@ def apply_liger_kernel_to_deepseek_v32(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )
+    options.update(indexer=indexer)
     return apply_spec(DEEPSEEK_V32_SPEC, options, model)
 
 

@@ -2,22 +2,32 @@
 attention.
 
 RMSNorm (the q / kv latent norms included), the SwiGLU MLPs and shared experts, the batched routed experts, the router
-and the causal LM's loss. The MLA attention and its DSA indexer stay native: the indexer's top-k indices become a sparse
-mask folded into the attention mask, which the shared Liger MLA forward (``models/deepseek_v3/attention.py``) does not
-apply. The indexer's ``k_norm`` is an ``nn.LayerNorm`` and stays native too.
-
-The indexer's fp32 [B, S, index heads, T] scores are a memory wall at long context (about 69 GB at 16384 tokens at
-V3.2's widths); a fused indexer-score + top-k kernel would remove it, and none exists here yet.
+and the causal LM's loss; and (``indexer``) the DSA indexer's scores, in one fused kernel instead of transformers' fp32
+[B, S, index heads, T] tensor (about 69 GB at 16384 tokens at V3.2's widths). The MLA attention stays native: the
+indexer's top-k indices become a sparse mask folded into the attention mask, which the shared Liger MLA forward
+(``models/deepseek_v3/attention.py``) does not apply. The indexer's ``k_norm`` is an ``nn.LayerNorm`` and stays native.
 """
 
+import dataclasses
+
 from liger_dspine.models.deepseek_v3.family import v3_like_spec
+from liger_dspine.patching import ClassSwap
 
 MODELING = "transformers.models.deepseek_v32.modeling_deepseek_v32"
 
-DEEPSEEK_V32_SPEC = v3_like_spec(
+_V3_LIKE = v3_like_spec(
     "deepseek_v32",
     MODELING,
     "DeepseekV32",
     mla_classes=None,
     router_classes="liger_dspine.models.deepseek_v32.modules",
+)
+DEEPSEEK_V32_SPEC = dataclasses.replace(
+    _V3_LIKE,
+    swaps=(
+        *_V3_LIKE.swaps,
+        ClassSwap(
+            "indexer", ("DeepseekV32Indexer",), "liger_dspine.models.deepseek_v32.indexer:LigerDeepseekV32Indexer"
+        ),
+    ),
 )

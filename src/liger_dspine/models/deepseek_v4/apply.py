@@ -20,6 +20,7 @@ def apply_liger_kernel_to_deepseek_v4(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     hyper_connections: bool = True,
+    indexer: bool = True,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
 
@@ -50,9 +51,12 @@ def apply_liger_kernel_to_deepseek_v4(
             mix) in this package's Triton kernels, all with the token count as a run-time value; and
             ``DeepseekV4HyperHead`` -> ``LigerDeepseekV4HyperHead``, the final collapse of the streams, the same
             way. Native under ``torch.compile``.
+        indexer: (keyword-only) ``DeepseekV4IndexerScorer`` -> ``LigerDeepseekV4IndexerScorer``: the CSA indexer's
+            scores in one fused kernel, without the fp32 [B, S, index heads, S / rate] tensor (the indexer's
+            compressor, RoPE, mask and top-k stay native).
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
-    The key-value head's norm and RoPE, the compressors and their indexer stay native.
+    The key-value head's norm and RoPE and the compressors stay native.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -68,7 +72,7 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )
-    options.update(hyper_connections=hyper_connections)
+    options.update(hyper_connections=hyper_connections, indexer=indexer)
     return apply_spec(DEEPSEEK_V4_SPEC, options, model)
 
 

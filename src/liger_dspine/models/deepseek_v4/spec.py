@@ -13,9 +13,11 @@
 - ``hyper_connections``: ``DeepseekV4DecoderLayer`` -> ``LigerDeepseekV4DecoderLayer`` and ``DeepseekV4HyperHead``
   -> ``LigerDeepseekV4HyperHead`` (``models/deepseek_v4/hyper_connections.py``): the two hyper-connection mixes of
   each layer and the final collapse of the streams in Triton kernels.
+- ``indexer``: ``DeepseekV4IndexerScorer`` -> ``LigerDeepseekV4IndexerScorer`` (``models/deepseek_v4/indexer.py``):
+  the CSA indexer's scores in one fused kernel.
 - the loss options: the causal LM's forward, with the load-balancing auxiliary loss.
 
-The compressors and their indexer stay native.
+The compressors, and the indexer's own compressor, RoPE, mask and top-k, stay native.
 """
 
 from liger_dspine.models.deepseek_v3.family import LOSS_FORWARDS
@@ -52,6 +54,11 @@ DEEPSEEK_V4_SPEC = PatchSpec(
             "hyper_connections",
             ("DeepseekV4HyperHead",),
             "liger_dspine.models.deepseek_v4.hyper_connections:LigerDeepseekV4HyperHead",
+        ),
+        ClassSwap(
+            "indexer",
+            ("DeepseekV4IndexerScorer",),
+            "liger_dspine.models.deepseek_v4.indexer:LigerDeepseekV4IndexerScorer",
         ),
         *(
             MethodSwap(option, "DeepseekV4ForCausalLM", "forward", f"{FORWARDS}:{forward}")
