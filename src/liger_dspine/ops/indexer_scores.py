@@ -28,7 +28,7 @@ def _indexer_scores_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     batch = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     keys = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     dims = tl.arange(0, HEAD_DIM)
     row_ok, key_ok = rows < seq_len, keys < num_keys

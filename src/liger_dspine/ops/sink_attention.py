@@ -114,7 +114,7 @@ def _sink_attention_forward_kernel(
 ):  # fmt: skip
     batch = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_Q * GROUP_H)
-    queries = tl.program_id(0) * BLOCK_Q + rows % BLOCK_Q
+    queries = (tl.program_id(0) * BLOCK_Q + rows % BLOCK_Q).to(tl.int64)  # 64-bit offsets: S * N * D >= 2^31
     heads = tl.program_id(1) * GROUP_H + rows // BLOCK_Q
     row_ok = (queries < seq_len) & (heads < num_heads)
     dims = tl.arange(0, HEAD_DIM)
@@ -177,7 +177,7 @@ def _sink_attention_dq_kernel(
     """dq [B, N, S, D] (q's strides); grad_out has out's [B, S, N, D] strides (stride_o*)."""
     batch = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_Q * GROUP_H)
-    queries = tl.program_id(0) * BLOCK_Q + rows % BLOCK_Q
+    queries = (tl.program_id(0) * BLOCK_Q + rows % BLOCK_Q).to(tl.int64)  # 64-bit offsets: S * N * D >= 2^31
     heads = tl.program_id(1) * GROUP_H + rows // BLOCK_Q
     row_ok = (queries < seq_len) & (heads < num_heads)
     dims = tl.arange(0, HEAD_DIM)
@@ -264,7 +264,7 @@ def _sink_attention_dkv_kernel(
     for group_start in range(0, num_heads, GROUP_H):  # every head here: one add per element and query chunk
         heads = group_start + rows // BLOCK_Q
         for block_start in range(query_start, query_end, BLOCK_Q):
-            queries = block_start + rows % BLOCK_Q
+            queries = (block_start + rows % BLOCK_Q).to(tl.int64)
             row_ok = (queries < query_end) & (heads < num_heads)
             q = tl.load(
                 q_ptr + batch * stride_qb + heads[:, None] * stride_qh + queries[:, None] * stride_qs + dims[None, :],

@@ -27,7 +27,7 @@ ROWS = 4  # head vectors per program
 @triton.jit
 def _row_coordinates(num_rows, seq_len, num_heads, ROWS: tl.constexpr):
     """This program's head vectors (rows of [B * S * N]): the rows, their mask, and their batch, position and head."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # rows * D passes 2^31 at V4's widths
     return rows, rows < num_rows, rows // (num_heads * seq_len), (rows // num_heads) % seq_len, rows % num_heads
 
 

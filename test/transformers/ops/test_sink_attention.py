@@ -120,3 +120,24 @@ def test_cuda_bf16_against_fp32(head_dim):
     # bf16 inputs and outputs, fp32 scores and sums: within 2e-2 (relative L2) of the fp32 formula on the same inputs
     for got, expected in zip([out, *grads], [ref, *ref_grads]):
         assert ((got - expected).norm() / expected.norm()).item() < 2e-2
+
+
+@pytest.mark.cuda
+def test_cuda_offsets_past_two_to_the_31():
+    """65536 queries of 64 heads of width 512 (q has 2^31 elements): the last queries' outputs against the formula
+    on their own window (the kernels' offsets are 64-bit; 32-bit ones run past the end)."""
+    seq_len, heads, head_dim, window, scale = 65536, 64, 512, 128, 512**-0.5
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, seq_len, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    kv = torch.randn(1, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    sinks = torch.zeros(heads, device="cuda")
+    out = liger_sink_attention(q.transpose(1, 2), kv, sinks, window, scale)  # [1, S, N, D]
+    last = slice(seq_len - 16, seq_len)
+    keys = kv[:, seq_len - 16 - window + 1 :].float()  # every key the last 16 queries see
+    scores = torch.einsum("bsnd,btd->bnst", q[:, last].float(), keys) * scale
+    offset = torch.arange(16, device="cuda")[:, None] + window - 1 - torch.arange(keys.shape[1], device="cuda")
+    scores = scores.masked_fill((offset < 0) | (offset >= window), float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(1, -1, 16, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    expected = torch.einsum("bnst,btd->bsnd", probs, keys)
+    assert ((out[:, last].float() - expected).norm() / expected.norm()).item() < 2e-2

@@ -70,3 +70,15 @@ def test_cuda_bf16_against_fp32():
     ref, ref_grad = run(native, x.float(), cos.float(), sin.float(), 1e-6)
     for got, expected in ((out, ref), (grad, ref_grad)):
         assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.cuda
+def test_cuda_offsets_past_two_to_the_31():
+    """[1, 65536, 64, 512] heads (2^31 elements): the last positions against V4's functions (64-bit offsets)."""
+    x = torch.randn(1, 65536, 64, 512, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(1, 65536, 32, device="cuda") * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    out = liger_trailing_rope(x, cos, sin, eps=1e-6)
+    last = slice(65536 - 8, 65536)
+    expected = native(x[:, last].float(), cos[:, last].float(), sin[:, last].float(), 1e-6)
+    assert ((out[:, last].float() - expected).norm() / expected.norm()).item() < 1e-2
