@@ -68,8 +68,10 @@ def sweep_markdown(rows: list[dict]) -> str:
         for impl in [i for i in IMPLS if any(r["impl"] == i for r in mine)]:
             best = longest[impl]
             ooms = [r["seq"] for r in mine if r["impl"] == impl and r.get("status") == "oom"]
+            failed = [r["status"] for r in mine if r["impl"] == impl and r.get("status") not in ("ok", "oom")]
             cells = [f"{model} ({FAMILY[model][0]})", impl, str(best["seq"]) if best else "-"]
-            cells.append(str(min(ooms)) if ooms else "not reached")
+            cells.append(str(min(ooms)) if ooms else "ended: " + failed[0].split(":")[0] if failed else "not reached")
+            notes += [f"{model} {impl} sweep: {status}" for status in failed]
             cells += [_fmt(best and best.get("peak_gib")), _fmt(best and best.get("step_ms") / 1e3, 2)]
             cells.append(_ratio(best and best["seq"], longest["liger"] and longest["liger"]["seq"]))
             lines.append("| " + " | ".join(cells) + " |")
