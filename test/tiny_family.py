@@ -301,13 +301,15 @@ CASES = {
             liger_modules=("liger_dspine.models.deepseek_v32.modules", "liger_dspine.models.deepseek_v32.indexer"),
             native_kept=("DeepseekV32Attention",),
         ),
-        # as DeepSeek-V3.2; the second layer reuses the first layer's top-k ("shared" indexer type)
+        # as DeepSeek-V3.2 (interleaved RoPE in the indexer); the second layer reuses the first layer's top-k ("shared"
+        # indexer type)
         FamilyCase(
             "glm_moe_dsa",
             "GlmMoeDsa",
             {**COMMON, **DSA, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "shared"]},
-            _case("glm_moe_dsa", "GlmMoeDsa", {}, mla=False).swapped,
+            _case("glm_moe_dsa", "GlmMoeDsa", {}, mla=False).swapped + ("GlmMoeDsaIndexer",),
             mla=False,
+            liger_modules=("liger_dspine.models.glm_moe_dsa.modules", "liger_dspine.models.glm_moe_dsa.indexer"),
             native_kept=("GlmMoeDsaAttention",),
         ),
         # multimodal: DeepSeek-V3's text model under a vision tower (kept native, GELU MLPs); text-only batches

@@ -1,6 +1,6 @@
 """The fused indexer scores (ops/indexer_scores.py) against fp64 torch: fp32, fp16 and mixed fp16 / fp32 on a CPU
-through Triton's interpreter, bf16 on CUDA at DeepSeek-V3.2's indexer widths; and DeepSeek-V3.2's and V4's indexer
-modules against transformers' on the tiny models (same scores, same top-k)."""
+through Triton's interpreter, bf16 on CUDA at DeepSeek-V3.2's indexer widths; and DeepSeek-V3.2's, GLM-5's and V4's
+indexer modules against transformers' on the tiny models (same scores, same top-k)."""
 
 import copy
 import sys
@@ -77,11 +77,13 @@ def _capture(module_type, model, input_ids, what):
     return seen
 
 
-def test_deepseek_v32_indexer_selects_as_native(device):
-    case, native, patched = _native_and_patched("deepseek_v32", device)
+@pytest.mark.parametrize("model_type, prefix", [("deepseek_v32", "DeepseekV32"), ("glm_moe_dsa", "GlmMoeDsa")])
+def test_dsa_indexer_selects_as_native(model_type, prefix, device):
+    """DeepSeek-V3.2's half-split RoPE and GLM-5's interleaved one; the scores' order decides the top-k."""
+    case, native, patched = _native_and_patched(model_type, device)
     input_ids = torch.randint(0, case.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
-    mine = _capture("LigerDeepseekV32Indexer", patched, input_ids, "Liger indexer")
-    theirs = _capture("DeepseekV32Indexer", native, input_ids, "native indexer")
+    mine = _capture(f"Liger{prefix}Indexer", patched, input_ids, "Liger indexer")
+    theirs = _capture(f"{prefix}Indexer", native, input_ids, "native indexer")
     assert len(mine) == len(theirs)
     for got, want in zip(mine, theirs):
         assert got.dtype == want.dtype == torch.int32 and got.shape == want.shape

@@ -17,6 +17,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
     fused_experts: bool = False,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
+    indexer: bool = True,
 ) -> patching.PatchReport:
     """Swap the modules of GLM-5.x (``glm_moe_dsa``) for Liger kernels; liger-kernel's parameter order.
 
@@ -25,8 +26,12 @@ def apply_liger_kernel_to_glm_moe_dsa(
     experts -> ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``GlmMoeDsaTopkRouter`` ->
     ``LigerGlmMoeDsaTopkRouter``; ``GlmMoeDsaForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
 
-    Its MLA attention and DSA indexer stay native (see ``models/glm_moe_dsa/spec.py``), so ``rope``, kept for
-    liger-kernel's parameter order, must be False.
+    ``indexer`` (keyword-only): ``GlmMoeDsaIndexer`` -> ``LigerGlmMoeDsaIndexer``, the DSA indexer's scores in one
+    fused kernel without the fp32 [B, S, index heads, T] tensor; its projections, RoPE, mask and top-k as native
+    (transformers before 5.17, whose indexer keeps its own key cache, run the native one).
+
+    Its MLA attention stays native (see ``models/glm_moe_dsa/spec.py``), so ``rope``, kept for liger-kernel's
+    parameter order, must be False.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -44,6 +49,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
     )
+    options.update(indexer=indexer)
     return apply_spec(GLM_MOE_DSA_SPEC, options, model)
 
 
