@@ -7,6 +7,8 @@ here they would run through Triton's interpreter).
 import argparse
 import csv
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -134,7 +136,9 @@ def _step(target, objective, ddp=None, rows=slice(None)):
 
 
 def _ddp_worker(rank, folder):
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120)
+    )
     try:
         torch.set_num_threads(1)
         target = tiny_target()
@@ -154,15 +158,34 @@ def _ddp_worker(rank, folder):
         if rank == 0:
             torch.save({"grads": grads, "reductions": reductions}, os.path.join(folder, "rank0.pt"))
         dist.barrier()
+        open(os.path.join(folder, f"done{rank}"), "w").close()  # past the last collective: the results are whole
     finally:
         dist.destroy_process_group()
+
+
+def _run_ranks(folder, limit_s=300.0, teardown_s=30.0):
+    """Both ranks of _ddp_worker; a rank still in gloo's process-group teardown ``teardown_s`` after both passed
+    their last collective is stopped (that teardown can wait on a peer that has already exited), anything else
+    that outlasts ``limit_s`` fails the test."""
+    context = mp.start_processes(_ddp_worker, args=(folder,), nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline, done_at = time.monotonic() + limit_s, None
+    while not context.join(timeout=2):
+        if done_at is None and all(os.path.exists(os.path.join(folder, f"done{r}")) for r in range(WORLD_SIZE)):
+            done_at = time.monotonic()
+        if (done_at is not None and time.monotonic() - done_at > teardown_s) or time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            if done_at is None:
+                pytest.fail(f"the {WORLD_SIZE} DDP ranks did not finish within {limit_s:.0f} s")
+            break
 
 
 def test_ddp_step_on_two_gloo_ranks_matches_one_process_on_the_whole_batch(tmp_path):
     """fp32: DDP averages the ranks' gradients of numerator * world / D_global, which is the single process's
     gradient of sum(numerators) / D; only the summation order differs (tolerance of the accumulation tests)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_ddp_worker, args=(str(tmp_path),), nprocs=WORLD_SIZE, join=True, start_method="spawn")
+    _run_ranks(str(tmp_path))
     ranks = torch.load(tmp_path / "rank0.pt")
 
     target = tiny_target()
