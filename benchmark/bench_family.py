@@ -9,8 +9,8 @@ model: first_step_s), the mean of three timed steps, peak memory over them, the 
 and batch for every implementation). A model that the installed transformers or liger-dspine lacks is skipped with
 a line saying so. With --max-seq (or --sweep-only) each implementation's longest sequence at batch 1 is searched too:
 doubling from the model's first length, then bisection to --sweep-step tokens. Writes <out-dir>/family.csv, family.md
-and family.png; the rows of the models and kinds (steps, longest sequence) run replace those already in family.csv,
-so they can be run in separate commands.
+and family.png; the rows of the models, kinds (steps, longest sequence) and implementations run replace those
+already in family.csv, so they can be run in separate commands.
 
     python benchmark/bench_family.py                                   # every model at its lengths
     python benchmark/bench_family.py --models deepseek_v32             # one model (needs transformers 5.24)
@@ -126,12 +126,19 @@ def _lengths(model: str, args) -> list[int]:
 
 
 def _merged(csv_path: str, rows: list[dict], fresh: bool) -> list[dict]:
-    """This run's rows after the rows already in the CSV (unless ``fresh``) of the (model, kind) pairs it did not
-    run: the step rows and the longest-sequence rows of a model can come from separate commands."""
+    """This run's rows after the rows already in the CSV (unless ``fresh``) of the (model, kind, impl) triples it
+    did not run: the step rows, the longest-sequence rows and each implementation of a model can come from separate
+    commands. A model's "skipped" row (impl "-") goes whenever any implementation of that model and kind ran."""
     if fresh or not os.path.exists(csv_path):
         return list(rows)
-    ran = {(r.get("model"), r.get("kind")) for r in rows}
-    kept = [r for r in read_rows([csv_path]) if (r.get("model"), r.get("kind")) not in ran]
+    ran = {(r.get("model"), r.get("kind"), r.get("impl")) for r in rows}
+    ran_kinds = {key[:2] for key in ran}
+
+    def replaced(row: dict) -> bool:
+        key = (row.get("model"), row.get("kind"))
+        return (*key, row.get("impl")) in ran or (row.get("impl") == "-" and key in ran_kinds)
+
+    kept = [r for r in read_rows([csv_path]) if not replaced(r)]
     return kept + list(rows)
 
 
