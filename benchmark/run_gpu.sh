@@ -175,10 +175,12 @@ for step in "$@"; do
         --seq 4096 --second-seq 6144 2>&1 | tee -a "$OUT/profile_compile.txt" ;;
     # DeepSeek-V4's attention kernel alone against transformers' eager attention, per layer kind (4096 tokens)
     bench-sink-attention) BENCH_SCRIPT=benchmark/bench_sink_attention.py run_bench ;;
+    # launch settings of the DSpine refinement loss's candidate-score kernels
+    bench-candidate-scores) BENCH_SCRIPT=benchmark/bench_candidate_scores.py run_bench ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-capture | train-drafter)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-capture | train-drafter)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

@@ -3,9 +3,11 @@
 The DSpine refinement loss scores each proposal's K candidates against its refined state. Written as
 ``W[ids].float() @ h`` it materialises [N, K, H] fp32 (about 880 MB for 1920 rows, K = 16, H = 7168) and autograd
 keeps it for the backward. Here Triton programs read the K head rows in [K, BLOCK_H] tiles and reduce in fp32: the
-forward (one program per row) gives s[n, :], the backward (one per row and block of columns)
+forward (one program per row) gives s[n, :], the backward (one per row and span of columns)
 dh[n, :] = sum_k ds[n, k] W[ids[n, k], :]. The backward needs only W (frozen: it gets no gradient) and the ids, so
-nothing of size K x H is kept. dh is returned in h's dtype.
+nothing of size K x H is kept. dh is returned in h's dtype. Both read K x H head elements per row and little else,
+so their time is that read: the launch settings (``LAUNCH``) are the fastest of
+``benchmark/bench_candidate_scores.py`` on an H200.
 Without a Triton device (CPU without the interpreter, or fp64) the same sums run in torch, a block of rows at a time.
 """
 
@@ -15,8 +17,9 @@ import triton.language as tl
 
 from liger_dspine._interpreter import kernel_runs_on
 
-_BLOCK_H = 256
 _TORCH_BLOCK_BYTES = 128 * 2**20
+# forward: (BLOCK_H, num_warps); backward: (BLOCK_H, BLOCK_H tiles per program (0: the whole row), num_warps)
+LAUNCH = {"forward": (128, 4), "backward": (1024, 0, 8)}
 
 
 @triton.jit
@@ -55,22 +58,46 @@ def _candidate_scores_backward_kernel(
     grad_hidden_ptr,  # [N, H] out, in the rows' dtype
     hidden_size,
     top_k,
+    span,  # columns per program, a multiple of BLOCK_H
     K_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """One program per (row, BLOCK_H columns): no loop, so every program's K row loads are in flight at once."""
+    """One program per (row, ``span`` columns), in [K, BLOCK_H] tiles."""
     row = tl.program_id(0).to(tl.int64)
-    offsets = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    first = tl.program_id(1) * span
     ks = tl.arange(0, K_PAD)
+    cols = tl.arange(0, BLOCK_H)
     in_k = ks < top_k
-    in_h = offsets < hidden_size
     ids = tl.load(ids_ptr + row * top_k + ks, mask=in_k, other=0)
     g = tl.load(grad_scores_ptr + row * top_k + ks, mask=in_k, other=0.0)
-    w = tl.load(
-        weight_ptr + ids[:, None] * hidden_size + offsets[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0
-    ).to(tl.float32)
-    dh = tl.sum(w * g[:, None], axis=0)
-    tl.store(grad_hidden_ptr + row * hidden_size + offsets, dh.to(grad_hidden_ptr.dtype.element_ty), mask=in_h)
+    for start in range(first, first + span, BLOCK_H):
+        offsets = start + cols
+        in_h = offsets < hidden_size
+        w = tl.load(
+            weight_ptr + ids[:, None] * hidden_size + offsets[None, :], mask=in_k[:, None] & in_h[None, :], other=0.0
+        ).to(tl.float32)
+        dh = tl.sum(w * g[:, None], axis=0)
+        tl.store(grad_hidden_ptr + row * hidden_size + offsets, dh.to(grad_hidden_ptr.dtype.element_ty), mask=in_h)
+
+
+def launch_forward(hidden, weight, ids, scores, block_h: int, num_warps: int) -> None:
+    """The forward kernel over every row (contiguous operands; ``scores`` [N, K] fp32 is written)."""
+    rows, top_k = ids.shape
+    _candidate_scores_kernel[(rows,)](
+        hidden, weight, ids, scores, weight.shape[1], top_k,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def launch_backward(grad_scores, weight, ids, grad_hidden, block_h: int, tiles: int, num_warps: int) -> None:
+    """The backward kernel, each program ``tiles`` [K, block_h] tiles of one row, 0 for all of them
+    (``grad_hidden`` is written)."""
+    rows, top_k = ids.shape
+    span = block_h * (tiles or triton.cdiv(weight.shape[1], block_h))
+    _candidate_scores_backward_kernel[(rows, triton.cdiv(weight.shape[1], span))](
+        grad_scores, weight, ids, grad_hidden, weight.shape[1], top_k, span,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def _use_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -95,10 +122,7 @@ def _candidate_scores(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Ten
     scores = torch.empty(rows, top_k, dtype=torch.float32, device=hidden.device)
     if _use_kernel(hidden, weight):
         if rows:
-            _candidate_scores_kernel[(rows,)](
-                hidden, weight, ids, scores, hidden_size, top_k,
-                K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
-            )  # fmt: skip
+            launch_forward(hidden, weight, ids, scores, *LAUNCH["forward"])
         return scores
     for start, end in _torch_blocks(rows, top_k, hidden_size):
         gathered = weight[ids[start:end]].float()  # [b, K, H]
@@ -121,10 +145,7 @@ def _candidate_scores_backward(
     grad_hidden = torch.empty(rows, hidden_size, dtype=hidden_dtype, device=grad_scores.device)
     if use_kernel:
         if rows:
-            _candidate_scores_backward_kernel[(rows, triton.cdiv(hidden_size, _BLOCK_H))](
-                grad_scores, weight, ids, grad_hidden, hidden_size, top_k,
-                K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_BLOCK_H,
-            )  # fmt: skip
+            launch_backward(grad_scores, weight, ids, grad_hidden, *LAUNCH["backward"])
         return grad_hidden
     for start, end in _torch_blocks(rows, top_k, hidden_size):
         gathered = weight[ids[start:end]].float()

@@ -62,12 +62,12 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return states * cos + rotate_half(states) * sin
 
 
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
     return states if groups == 1 else states.repeat_interleave(groups, dim=1)
 
 
 def _eager(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int) -> torch.Tensor:
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     scores = scores.masked_fill(~mask.dense, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -76,7 +76,7 @@ def _eager(query, key, value, mask: PreparedMask, scaling: float, dropout: float
 
 
 def _sdpa(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int) -> torch.Tensor:
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     bias = mask.additive(query.dtype)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
 
@@ -166,9 +166,16 @@ class DSpineAttention(nn.Module):
 
     def _attend(self, query, key, value, attention_mask: PreparedMask, **kwargs) -> torch.Tensor:
         """q [B, N, Q, D], k / v [B, N_kv, S+Q, D] -> [B, N, Q, D] through ``config._attn_implementation``."""
+        return self._attend_grouped(query, key, value, attention_mask, self.num_key_value_groups, **kwargs)
+
+    def _attend_repeated(self, query, key, value, attention_mask: PreparedMask, **kwargs) -> torch.Tensor:
+        """:meth:`_attend` with k / v already repeated to the query heads, [B, N, S+Q, D]."""
+        return self._attend_grouped(query, key, value, attention_mask, 1, **kwargs)
+
+    def _attend_grouped(self, query, key, value, attention_mask: PreparedMask, groups: int, **kwargs):
         implementation = self.config._attn_implementation or "sdpa"
         dropout = self.attention_dropout if self.training else 0.0
-        args = (query, key, value, attention_mask, self.scaling, dropout, self.num_key_value_groups)
+        args = (query, key, value, attention_mask, self.scaling, dropout, groups)
         if implementation == "sdpa":
             return _sdpa(*args)
         if implementation == "eager":

@@ -29,8 +29,9 @@ def checkpointed_chunk_reduce(
         return tuple(fn(*tensors))
     use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     totals = None
-    for start in range(0, length, chunk_size):
-        chunk = tuple(t[start : start + chunk_size] for t in tensors)
+    # split, not slices: the backward of a split joins the chunks' gradients once, where each slice's backward
+    # would write a zero-filled gradient of the whole tensor and add it to the others
+    for chunk in zip(*(t.split(chunk_size) for t in tensors)):
         terms = checkpoint(fn, *chunk, use_reentrant=False) if use_checkpoint else fn(*chunk)
         totals = tuple(terms) if totals is None else tuple(a + b for a, b in zip(totals, terms))
     return totals

@@ -47,6 +47,7 @@ class DSpineMLAAttention(nn.Module):
     # the attention call of the GQA module: sdpa / eager / flex over the prepared mask, dropped rows zeroed
     _attend = DSpineAttention._attend
     _attend_rows = DSpineAttention._attend_rows
+    _attend_grouped = DSpineAttention._attend_grouped
 
     def __init__(self, config, use_liger_kernel: bool = False):
         from liger_dspine.models.dspine import builders  # builders looks this class up at import
