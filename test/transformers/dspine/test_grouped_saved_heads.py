@@ -139,5 +139,5 @@ def test_cuda_sdpa_keeps_only_the_grouped_heads():
         del out
     saved = kept[False] - kept[True]
     assert saved >= 0.9 * repeat_bytes, (kept, repeat_bytes)
-    for want, got in zip(grads[False], grads[True]):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for want, got in zip(grads[False], grads[True]):  # the same kernels; their backward sums in any order
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
