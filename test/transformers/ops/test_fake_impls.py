@@ -24,6 +24,7 @@ from triton.runtime import interpreter
 import liger_dspine
 from liger_dspine.modules import backward_guard
 from liger_dspine.modules import causal_lm_forward
+from liger_dspine.ops import alignment_cosine
 from liger_dspine.ops import candidate_scores
 from liger_dspine.ops import frozen_head_loss
 from liger_dspine.ops import frozen_head_objective
@@ -37,6 +38,7 @@ from liger_dspine.ops import mhc_coefficients
 from liger_dspine.ops import mhc_projection
 from liger_dspine.ops import mhc_streams
 from liger_dspine.ops import moe_router
+from liger_dspine.ops import refinement_loss
 from liger_dspine.ops import scaled_write
 from liger_dspine.ops import silu_mul_rows
 from liger_dspine.ops import sink_attention
@@ -233,6 +235,18 @@ def case_candidate_scores():
     return candidate_scores.LigerCandidateScoresFunction.apply(hidden, randn(32, 8), randint(32, 4, 3)), [hidden]
 
 
+def case_alignment_cosine():
+    features = randn(2, 3, 4, 8, grad=True)
+    return alignment_cosine.LigerAlignmentCosineFunction.apply(features, randn(2, 4, 8), 1e-8), [features]
+
+
+def case_refinement_loss():
+    hidden, ids = randn(4, 8, grad=True), randint(32, 4, 3)
+    probs, labels = torch.rand(4, 3), ids[:, 0].clone()
+    Function = refinement_loss.LigerRefinementLossFunction
+    return Function.apply(hidden, randn(32, 8), ids, probs, labels, 0.3, 0.1), [hidden]
+
+
 def case_scaled_write():
     states, message, weight, projected = randn(4, 8, grad=True), randn(4, 3, grad=True), randn(8, 3), randn(4, 5)
     projected.requires_grad_()
@@ -305,6 +319,8 @@ CASES = {
     case_frozen_head_loss: ("frozen_head_loss",),
     case_frozen_head_terms: ("frozen_head_terms", "frozen_head_terms_backward"),
     case_candidate_scores: ("candidate_scores", "candidate_scores_backward"),
+    case_refinement_loss: ("refinement_loss", "candidate_scores", "candidate_scores_backward"),
+    case_alignment_cosine: ("alignment_cosine", "alignment_cosine_backward"),
     case_scaled_write: (),
     case_sink_attention: ("sink_attention", "sink_attention_backward"),
     case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),

@@ -64,21 +64,23 @@ def refinement_terms(
     Args:
         refined: [..., H] ``refine(pre_injection, true predecessor)``.
         candidate_ids: [..., K]; candidate_teacher_probs: [..., K]; labels: [...].
-        lean_scores: score the candidates with :func:`~liger_dspine.ops.candidate_scores.liger_candidate_scores`
-            (the fused objective's path), which keeps no [..., K, H] copy of the head rows.
+        lean_scores: compute the terms with :func:`~liger_dspine.ops.refinement_loss.liger_refinement_loss`
+            (the fused objective's path): the same numbers in two kernel launches each way, keeping no
+            [..., K, H] copy of the head rows.
 
     Returns:
         ref: [...] fp32, ce_weight * refCE + (1 - ce_weight) * refL1 (refL1 only where the teacher mass on the
             candidates exceeds ``mass_threshold``; refCE is 0 when the label is not a candidate).
         covered: [...] bool, label among the candidates.
     """
-    if lean_scores:  # the same fp32 scores without keeping the gathered [..., K, H] rows
-        from liger_dspine.ops.candidate_scores import liger_candidate_scores
+    if lean_scores:
+        from liger_dspine.ops.refinement_loss import liger_refinement_loss
 
-        scores = liger_candidate_scores(refined, head_weight, candidate_ids)
-    else:
-        candidates = head_weight[candidate_ids].float()  # [..., K, H]
-        scores = torch.matmul(candidates, refined.float()[..., None]).squeeze(-1)  # [..., K]
+        return liger_refinement_loss(
+            refined, head_weight, candidate_ids, candidate_teacher_probs, labels, ce_weight, mass_threshold
+        )
+    candidates = head_weight[candidate_ids].float()  # [..., K, H]
+    scores = torch.matmul(candidates, refined.float()[..., None]).squeeze(-1)  # [..., K]
     log_probs = torch.log_softmax(scores, dim=-1)
     mass = candidate_teacher_probs.sum(dim=-1, keepdim=True)
     teacher = candidate_teacher_probs / mass.clamp_min(1e-30)
@@ -88,8 +90,16 @@ def refinement_terms(
     return ce_weight * ref_ce + (1.0 - ce_weight) * ref_l1, hits.any(dim=-1)
 
 
-def alignment_terms(layer_features: torch.Tensor, label_codes: torch.Tensor) -> torch.Tensor:
-    """1 - cos(feature, code) per layer: layer_features [M, L, P, r], label_codes [M, P, r] -> [M, L, P] fp32."""
+def alignment_terms(layer_features: torch.Tensor, label_codes: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """1 - cos(feature, code) per layer: layer_features [M, L, P, r], label_codes [M, P, r] -> [M, L, P] fp32.
+
+    ``fused`` (the fused objective's path) computes it with
+    :func:`~liger_dspine.ops.alignment_cosine.liger_alignment_cosine`: one kernel launch each way.
+    """
+    if fused:
+        from liger_dspine.ops.alignment_cosine import liger_alignment_cosine
+
+        return liger_alignment_cosine(layer_features, label_codes, eps=1e-8)
     return 1.0 - F.cosine_similarity(layer_features.float(), label_codes.float()[:, None], dim=-1, eps=1e-8)
 
 
@@ -226,7 +236,7 @@ class DSpineObjective(nn.Module):
             options.candidate_mass_threshold,
             lean_scores=self.fused_objective,
         )
-        align = alignment_terms(features, self.draft_model.transfer_codes[labels])
+        align = alignment_terms(features, self.draft_model.transfer_codes[labels], fused=self.fused_objective)
         with torch.no_grad():
             coverage = (covered & supervised).sum().float()
         return (ref * weights).sum(), (align * weights[:, None, :]).sum(), coverage
