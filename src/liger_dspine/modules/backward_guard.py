@@ -7,7 +7,8 @@ then ``backward()``) would scale it again and give wrong gradients with no error
 loss turn that into an error: the inner one, on the kernel's loss, notes when the kernel's backward scales its saved
 gradient; the outer one, on the loss handed to the caller, runs first in every later pass and refuses it before
 any gradient reaches the kernel or a ``.grad``. Passes with an upstream gradient of exactly 1 change nothing in the
-kernel and stay allowed.
+kernel and stay allowed. The note is a device flag, read on the host only when a later pass starts, so the first
+backward waits for nothing.
 """
 
 import torch
@@ -16,7 +17,10 @@ import torch
 class _GuardState:
     def __init__(self, what: str):
         self.what = what
-        self.scaled = False
+        self.scaled_flags = []  # one device bool per pass: whether its upstream gradient was other than 1
+
+    def scaled(self) -> bool:
+        return any(bool(flag) for flag in self.scaled_flags)
 
 
 class _GuardFunction(torch.autograd.Function):
@@ -36,8 +40,7 @@ class _NoteScaledFunction(_GuardFunction):
 
     @staticmethod
     def backward(ctx, grad):
-        if not torch.equal(grad, torch.ones_like(grad)):
-            ctx.state.scaled = True
+        ctx.state.scaled_flags.append((grad != 1).any())
         return grad, None
 
 
@@ -46,7 +49,7 @@ class _RefuseAfterScaledFunction(_GuardFunction):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.state.scaled:
+        if ctx.state.scaled():
             raise RuntimeError(
                 f"liger-dspine: this loss was already back-propagated once, and {ctx.state.what} rescaled its saved "
                 "gradient in place then, so another pass through the same graph (backward(retain_graph=True) again, "
