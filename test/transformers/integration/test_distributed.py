@@ -14,6 +14,7 @@ import copy
 import faulthandler
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -189,13 +190,34 @@ def _rank_log_summary(folder) -> str:
     return " | ".join(parts)
 
 
-def _spawn(tmp_path_factory, scenario_set: str) -> dict:
+def _join(context, results: str, limit_s: float, teardown_s: float) -> None:
+    """Waits for the ranks; a rank still in gloo's process-group teardown ``teardown_s`` after the results were
+    written (both ranks past the final barrier) is stopped, since that teardown can wait on a peer that has already
+    exited; anything else that outlasts ``limit_s`` fails the test."""
+    deadline, done_at = time.monotonic() + limit_s, None
+    while not context.join(timeout=2):
+        if done_at is None and os.path.exists(results):
+            done_at = time.monotonic()
+        if (done_at is not None and time.monotonic() - done_at > teardown_s) or time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            if done_at is None:
+                pytest.fail(f"the {WORLD_SIZE} gloo ranks did not finish within {limit_s:.0f} s")
+            return
+
+
+def _spawn(tmp_path_factory, scenario_set: str, limit_s: float = 1200.0, teardown_s: float = 30.0) -> dict:
     """Runs the set on two ranks and returns rank 0's report, written once both ranks passed the final barrier. A
-    rank that dies after that, in the process group's teardown, is reported as a warning: the results are whole."""
+    rank that dies or hangs after that, in the process group's teardown, is reported as a warning or stopped: the
+    results are whole."""
     folder = str(tmp_path_factory.mktemp(scenario_set))
     results = os.path.join(folder, "results.pt")
     try:
-        mp.start_processes(_worker, args=(folder, scenario_set), nprocs=WORLD_SIZE, join=True, start_method="spawn")
+        context = mp.start_processes(
+            _worker, args=(folder, scenario_set), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        )
+        _join(context, results, limit_s, teardown_s)
     except ProcessException as error:
         # a rank's Python exception comes as its traceback: its last line names it
         cause = str(error).strip().splitlines()[-1]
