@@ -16,8 +16,12 @@ import argparse
 import csv
 import os
 import statistics
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cuda_timing import event_times_ms  # noqa: E402
+
 DATA = os.path.join(HERE, "data")
 ROWS, TOP_K, BLOCK_ROWS, SHARED_POOL = 1920, 16, 15, 32
 WIDTHS = ((4096, 151936), (7168, 129280))
@@ -36,17 +40,7 @@ def candidate_ids(kind: str, vocab: int, torch, generator):
 
 
 def median_ms(fn, torch, reps=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(fn, torch, reps, warmup=3))
 
 
 def measure(torch) -> list[dict]:

@@ -13,8 +13,12 @@ import argparse
 import csv
 import os
 import statistics
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from cuda_timing import event_times_ms  # noqa: E402
+
 DATA = os.path.join(HERE, "data")
 HEADS, HEAD_DIM, WINDOW = 64, 512, 128
 KINDS = {"sliding": 0, "csa": 4, "hca": 128}  # compression rate (0: none)
@@ -56,14 +60,7 @@ def timed(fn, torch, reps=10):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = event_times_ms(fn, torch, reps)
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
 

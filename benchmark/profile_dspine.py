@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dspine import build_objective  # noqa: E402
 from bench_dspine import objective_inputs  # noqa: E402
 from bench_dspine import step_batch  # noqa: E402
+from cuda_timing import event_times_ms  # noqa: E402
 from profile_step import print_kernels  # noqa: E402
 from profile_step import print_operators  # noqa: E402
 from profile_step import print_saved  # noqa: E402
@@ -49,14 +50,7 @@ def profile_objective(torch, args) -> None:
     title = f"objective {args.hidden} / {args.vocab}, {args.blocks} blocks, head chunk rows {args.head_chunk_rows}"
     print_kernels(torch, prof, args.top, title)
     print_operators(torch, prof, args.top)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = event_times_ms(call, torch, 5)
     print(f"\n## {title}: {sorted(times)[2]:.1f} ms a call (median of 5, CUDA events)")
 
 
@@ -117,16 +111,7 @@ def profile_gemms(torch, args) -> None:
     weight = torch.randn(args.vocab, args.hidden, device="cuda", dtype=torch.bfloat16)
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[5]
+        return sorted(event_times_ms(fn, torch, 10, warmup=1))[5]
 
     print(f"\n## head GEMMs at hidden {args.hidden} / vocab {args.vocab}: ms and TFLOP/s of one chunk")
     print("rows  logits [2C,V]      dx fp32 out        dx bf16 out")

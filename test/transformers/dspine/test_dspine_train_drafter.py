@@ -7,7 +7,6 @@ here they would run through Triton's interpreter).
 import argparse
 import csv
 import os
-import time
 from datetime import timedelta
 
 import pytest
@@ -26,6 +25,7 @@ from liger_dspine.models.dspine import DSpineDraftModel
 from liger_dspine.models.dspine import DSpineObjective
 from liger_dspine.models.dspine.capture import TargetCapture
 from liger_dspine.models.dspine.checkpoint import check_checkpoint
+from spawned_ranks import join_ranks
 from tiny_dspine import TINY_MASK_TOKEN
 from tiny_dspine import TINY_TAPS
 from tiny_dspine import tiny_draft_config
@@ -164,21 +164,10 @@ def _ddp_worker(rank, folder):
 
 
 def _run_ranks(folder, limit_s=300.0, teardown_s=30.0):
-    """Both ranks of _ddp_worker; a rank still in gloo's process-group teardown ``teardown_s`` after both passed
-    their last collective is stopped (that teardown can wait on a peer that has already exited), anything else
-    that outlasts ``limit_s`` fails the test."""
+    """Both ranks of _ddp_worker, each writing ``done<rank>`` once past its last collective."""
     context = mp.start_processes(_ddp_worker, args=(folder,), nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline, done_at = time.monotonic() + limit_s, None
-    while not context.join(timeout=2):
-        if done_at is None and all(os.path.exists(os.path.join(folder, f"done{r}")) for r in range(WORLD_SIZE)):
-            done_at = time.monotonic()
-        if (done_at is not None and time.monotonic() - done_at > teardown_s) or time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            if done_at is None:
-                pytest.fail(f"the {WORLD_SIZE} DDP ranks did not finish within {limit_s:.0f} s")
-            break
+    finished = lambda: all(os.path.exists(os.path.join(folder, f"done{r}")) for r in range(WORLD_SIZE))  # noqa: E731
+    join_ranks(context, finished, limit_s, teardown_s, f"the {WORLD_SIZE} DDP ranks")
 
 
 def test_ddp_step_on_two_gloo_ranks_matches_one_process_on_the_whole_batch(tmp_path):

@@ -14,7 +14,6 @@ import copy
 import faulthandler
 import os
 import sys
-import time
 import warnings
 from datetime import timedelta
 
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
+from spawned_ranks import join_ranks
 from tiny_models import assert_grads_close
 from tiny_models import build_model
 from tiny_models import labels_with_ignored
@@ -190,23 +190,6 @@ def _rank_log_summary(folder) -> str:
     return " | ".join(parts)
 
 
-def _join(context, results: str, limit_s: float, teardown_s: float) -> None:
-    """Waits for the ranks; a rank still in gloo's process-group teardown ``teardown_s`` after the results were
-    written (both ranks past the final barrier) is stopped, since that teardown can wait on a peer that has already
-    exited; anything else that outlasts ``limit_s`` fails the test."""
-    deadline, done_at = time.monotonic() + limit_s, None
-    while not context.join(timeout=2):
-        if done_at is None and os.path.exists(results):
-            done_at = time.monotonic()
-        if (done_at is not None and time.monotonic() - done_at > teardown_s) or time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            if done_at is None:
-                pytest.fail(f"the {WORLD_SIZE} gloo ranks did not finish within {limit_s:.0f} s")
-            return
-
-
 def _spawn(tmp_path_factory, scenario_set: str, limit_s: float = 1200.0, teardown_s: float = 30.0) -> dict:
     """Runs the set on two ranks and returns rank 0's report, written once both ranks passed the final barrier. A
     rank that dies or hangs after that, in the process group's teardown, is reported as a warning or stopped: the
@@ -217,7 +200,8 @@ def _spawn(tmp_path_factory, scenario_set: str, limit_s: float = 1200.0, teardow
         context = mp.start_processes(
             _worker, args=(folder, scenario_set), nprocs=WORLD_SIZE, join=False, start_method="spawn"
         )
-        _join(context, results, limit_s, teardown_s)
+        finished = lambda: os.path.exists(results)  # noqa: E731
+        join_ranks(context, finished, limit_s, teardown_s, f"{scenario_set} on {WORLD_SIZE} gloo ranks")
     except ProcessException as error:
         # a rank's Python exception comes as its traceback: its last line names it
         cause = str(error).strip().splitlines()[-1]
