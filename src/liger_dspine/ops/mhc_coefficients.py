@@ -132,6 +132,11 @@ def _launch(rows: int):
     return (triton.cdiv(rows, BLOCK_T),)
 
 
+def _sinkhorn_meta(hc: int) -> dict:
+    """The Sinkhorn kernels' compile-time parameters (the forward, the backward and its precompilation)."""
+    return dict(HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2)
+
+
 @torch.library.custom_op("liger_dspine::mhc_sinkhorn", mutates_args=())
 def _mhc_sinkhorn(
     mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, pre_eps: float, sinkhorn_eps: float,
@@ -143,8 +148,7 @@ def _mhc_sinkhorn(
     rows, hc = mix.shape[0], pre.shape[-1]
     if rows:
         _mhc_sinkhorn_forward_kernel[_launch(rows)](
-            mix, base, scale, pre, post, comb, rows, iters, pre_eps, sinkhorn_eps, post_mult,
-            HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2,
+            mix, base, scale, pre, post, comb, rows, iters, pre_eps, sinkhorn_eps, post_mult, **_sinkhorn_meta(hc),
         )  # fmt: skip
     return pre, post, comb
 
@@ -170,7 +174,7 @@ def _mhc_sinkhorn_backward(
     if rows:
         _mhc_sinkhorn_backward_kernel[_launch(rows)](
             mix, base, scale, grad_pre, grad_post, grad_comb, grad_logits, rows, iters, sinkhorn_eps, post_mult,
-            HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2,
+            **_sinkhorn_meta(hc),
         )  # fmt: skip
     return grad_logits
 
@@ -191,10 +195,9 @@ class LigerMHCSinkhornFunction(torch.autograd.Function):
         base32, scale32 = base.float().contiguous(), scale.float().contiguous()
         pre, post, comb = _mhc_sinkhorn(mix, base32, scale32, iters, pre_eps, sinkhorn_eps, post_mult, outer)
         if mix.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
-            hc = pre.shape[-1]
             precompile(
                 _mhc_sinkhorn_backward_kernel, mix, base32, scale32, pre, post, comb, mix, mix.shape[0], iters,
-                sinkhorn_eps, post_mult, HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2,
+                sinkhorn_eps, post_mult, **_sinkhorn_meta(pre.shape[-1]),
             )  # fmt: skip
         ctx.save_for_backward(mix, base32, scale32)
         ctx.iters, ctx.sinkhorn_eps, ctx.post_mult = iters, sinkhorn_eps, post_mult
