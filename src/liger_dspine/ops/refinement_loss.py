@@ -36,7 +36,7 @@ def _refinement_loss_kernel(
     ids_ptr,  # [N, K] int64
     labels_ptr,  # [N] int64
     ref_ptr,  # [N] fp32 out
-    covered_ptr,  # [N] int8 out
+    covered_ptr,  # [N] bool out
     unit_grad_ptr,  # [N, K] fp32 out
     rows,
     top_k,
@@ -73,7 +73,7 @@ def _refinement_loss_kernel(
     diff = q - teacher
     ref_l1 = tl.sum(tl.where(inside, tl.abs(diff), 0.0), axis=1) * use_l1
     tl.store(ref_ptr + row, ce_weight * ref_ce + (1.0 - ce_weight) * ref_l1, mask=in_row)
-    tl.store(covered_ptr + row, (hits > 0).to(tl.int8), mask=in_row)
+    tl.store(covered_ptr + row, hits > 0, mask=in_row)
 
     sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
     sign = tl.where(inside, sign, 0.0)
@@ -118,14 +118,14 @@ def _refinement_loss(
         ref, covered, grad = _terms_torch(scores, probs.to(scores.dtype), ids, labels, ce_weight, mass_threshold)
         return ref, covered, grad
     ref = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-    covered = torch.empty(rows, dtype=torch.int8, device=hidden.device)
+    covered = torch.empty(rows, dtype=torch.bool, device=hidden.device)
     grad = torch.empty(rows, top_k, dtype=torch.float32, device=hidden.device)
     if rows:
         _refinement_loss_kernel[(triton.cdiv(rows, _BLOCK_ROWS),)](
             scores, probs, ids, labels, ref, covered, grad, rows, top_k, float(ce_weight), float(mass_threshold),
             K_PAD=triton.next_power_of_2(top_k), BLOCK_ROWS=_BLOCK_ROWS,
         )  # fmt: skip
-    return ref, covered.bool(), grad
+    return ref, covered, grad
 
 
 @_refinement_loss.register_fake
@@ -162,7 +162,7 @@ class LigerRefinementLossFunction(torch.autograd.Function):
         weight, ids, unit_grad = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return (None,) * 7
-        grad_scores = (unit_grad * grad_ref.to(unit_grad.dtype)[:, None]).float().contiguous()
+        grad_scores = unit_grad * grad_ref.float()[:, None]  # a new [N, K] fp32 tensor
         grad_hidden = candidate_scores._candidate_scores_backward(
             grad_scores, weight, ids, ctx.hidden_dtype, ctx.use_kernel
         )
