@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-v4-sweep | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-v4-sweep | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -177,10 +177,12 @@ for step in "$@"; do
     bench-sink-attention) BENCH_SCRIPT=benchmark/bench_sink_attention.py run_bench ;;
     # launch settings of the DSpine refinement loss's candidate-score kernels
     bench-candidate-scores) BENCH_SCRIPT=benchmark/bench_candidate_scores.py run_bench ;;
+    # DSpine's draft-block attention alone: sdpa against the masked-attention kernel (bench_masked_attention.py)
+    bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-capture | train-drafter)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

@@ -328,8 +328,8 @@ def test_eager_and_flex_give_the_sdpa_drafter(target, implementation):
         for model in (sdpa, other):
             model(**inputs).hidden_states.square().sum().backward()
             grads.append({n: p.grad for n, p in model.named_parameters()})
-        for name, grad in grads[0].items():
-            torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+        for name, grad in grads[0].items():  # the two attention paths sum in different orders: fp32 rounding
+            torch.testing.assert_close(grads[1][name], grad, atol=5e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------------------------------- save / reload

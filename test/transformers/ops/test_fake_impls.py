@@ -34,6 +34,7 @@ from liger_dspine.ops import indexer_scores
 from liger_dspine.ops import interleaved_rope
 from liger_dspine.ops import liger_kernel_ops
 from liger_dspine.ops import linear_cross_entropy
+from liger_dspine.ops import masked_attention
 from liger_dspine.ops import mhc_coefficients
 from liger_dspine.ops import mhc_projection
 from liger_dspine.ops import mhc_streams
@@ -262,6 +263,13 @@ def case_sink_attention():
     return out, [q, kv, sinks]
 
 
+def case_masked_attention():
+    q = randn(2, 20, 4, 16).transpose(1, 2).requires_grad_(True)
+    k, v = randn(2, 2, 25, 16, grad=True), randn(2, 2, 25, 16, grad=True)
+    mask = torch.randn(1, 1, 20, 25) > 0
+    return masked_attention.liger_masked_attention(q, k, v, mask, 0.25), [q, k, v]
+
+
 def case_trailing_rope():
     x = randn(2, 3, 4, 16, grad=True)
     cos, sin = randn(1, 3, 4), randn(1, 3, 4)
@@ -323,6 +331,7 @@ CASES = {
     case_alignment_cosine: ("alignment_cosine", "alignment_cosine_backward"),
     case_scaled_write: (),
     case_sink_attention: ("sink_attention", "sink_attention_backward"),
+    case_masked_attention: ("masked_attention", "masked_attention_backward"),
     case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),
     case_mhc_projection: ("mhc_projection", "mhc_projection_backward"),
     case_mhc_coefficients: ("mhc_projection", "mhc_projection_backward", "mhc_sinkhorn", "mhc_sinkhorn_backward"),

@@ -15,6 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
+from liger_dspine.ops.masked_attention import AttentionTiles
+from liger_dspine.ops.masked_attention import TileSizes
+from liger_dspine.ops.masked_attention import attention_tiles
+
 SUPPORTED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
@@ -25,12 +29,27 @@ class PreparedMask:
     dense: bool [B, 1, Q, K] with fully masked rows opened up (None for flex).
     row_visible: [B, 1, Q, 1] bool, False for rows whose output is forced to zero (None for flex).
     block_mask: a flex ``BlockMask`` (None for dense).
+    visible: the bool mask as given, fully masked rows included (None for flex; made from ``dense`` and
+        ``row_visible`` when not given).
     """
 
     dense: torch.Tensor | None = None
     row_visible: torch.Tensor | None = None
     block_mask: object | None = None
+    visible: torch.Tensor | None = None
     _biases: dict = field(default_factory=dict, repr=False, compare=False)
+    _tiles: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.visible is None and self.dense is not None:
+            self.visible = self.dense if self.row_visible is None else self.dense & self.row_visible
+
+    def tiles(self, sizes: TileSizes) -> AttentionTiles:
+        """The tile lists of ``visible`` for the masked-attention kernels, made once for every layer."""
+        tiles = self._tiles.get(sizes)
+        if tiles is None:
+            tiles = self._tiles[sizes] = attention_tiles(self.visible, sizes)
+        return tiles
 
     def additive(self, dtype: torch.dtype) -> torch.Tensor:
         """``dense`` as an additive bias [B, 1, Q, K] in ``dtype`` (0 where attended, -inf elsewhere), made once.
@@ -52,7 +71,7 @@ def prepare_mask(mask) -> PreparedMask:
         if mask.dtype != torch.bool or mask.dim() != 4:
             raise ValueError(f"DSpine expects a bool attention mask [B, 1, Q, K], got {mask.dtype} {tuple(mask.shape)}")
         row_visible = mask.any(dim=-1, keepdim=True)
-        return PreparedMask(dense=mask | ~row_visible, row_visible=row_visible)
+        return PreparedMask(dense=mask | ~row_visible, row_visible=row_visible, visible=mask)
     return PreparedMask(block_mask=mask)
 
 

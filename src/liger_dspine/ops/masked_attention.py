@@ -1,0 +1,466 @@
+"""Grouped-query attention under a boolean mask that skips the key tiles a query tile cannot see.
+
+A draft block's queries see the context before their anchor and their own block's keys: in DSpine's step (8192
+queries over 3072 context + 8192 draft keys) about 15% of the [Q, K] tiles hold a visible pair. sdpa's kernels take
+such a mask as an additive bias and compute every tile. Here the mask is first reduced to a tile map (which
+[BLOCK, BLOCK] tiles hold any visible pair, a list of them per query tile and per key tile), and the kernels visit
+only those tiles, reading the mask inside each:
+
+- forward: per (query tile, head), an online softmax over the listed key tiles; out and a log-sum-exp per row;
+- dq: per (query tile, head), ``scale * sum_t p_t (dO.v_t - delta) k_t`` over the same tiles;
+- dk / dv: per (key tile, key-value head), the listed query tiles of every query head of the group, summed in the
+  program (no atomics): ``dv += p^T dO``, ``dk += scale * (p * (dO.v - delta))^T q``.
+
+with delta = rowsum(dO * out). Key and value keep their key-value heads; nothing of size [Q, K] is stored. A query
+row that sees no key returns zeros and gets zero gradients. Scores, softmax and accumulators are fp32; products take
+the inputs' dtype, as flash attention does.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from liger_dspine._interpreter import check_kernel_device
+from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.precompile import precompile
+
+
+class TileSizes(NamedTuple):
+    query: int  # rows of a forward / dq program
+    key: int  # keys per step of a forward / dq program
+    dkv_key: int  # keys of a dk / dv program
+    dkv_query: int  # rows per step of a dk / dv program
+
+
+def tile_sizes(dtype: torch.dtype, head_dim: int) -> TileSizes:
+    """Half precision up to D = 128 takes the large tiles; fp32 or wider heads halve them (shared memory)."""
+    if dtype in (torch.bfloat16, torch.float16) and head_dim <= 128:
+        return TileSizes(128, 64, 64, 64)
+    return TileSizes(64, 32, 32, 32)
+
+
+class AttentionTiles(NamedTuple):
+    """Which tiles of a [B, 1, Q, K] mask hold a visible pair, as lists (visible tiles first, ascending)."""
+
+    sizes: TileSizes
+    key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles
+    key_counts: torch.Tensor  # int32 [B, Q / query]
+    query_tiles: torch.Tensor  # int32 [B, K / dkv_key, Q / dkv_query]: per key tile, its visible query tiles
+    query_counts: torch.Tensor  # int32 [B, K / dkv_key]
+
+
+def _tile_map(mask: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[B, Q, K] bool -> [B, ceil(Q / rows), ceil(K / cols)] bool: whether the tile holds any True."""
+    batch, q_len, k_len = mask.shape
+    padded = F.pad(mask, (0, -k_len % cols, 0, -q_len % rows))
+    tiles = padded.view(batch, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
+    return tiles.any(dim=4).any(dim=2)
+
+
+def _lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R, C] bool -> (the indices of the True entries first, ascending, [B, R, C] int32; their counts [B, R])."""
+    order = torch.sort((~tiles).to(torch.uint8), dim=-1, stable=True).indices
+    return order.to(torch.int32), tiles.sum(dim=-1, dtype=torch.int32)
+
+
+def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
+    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (one reduction and two sorts; a mask
+    shared by several layers needs them once)."""
+    plane = mask[:, 0]
+    key_tiles, key_counts = _lists(_tile_map(plane, sizes.query, sizes.key))
+    by_key = _tile_map(plane, sizes.dkv_query, sizes.dkv_key).transpose(1, 2)
+    query_tiles, query_counts = _lists(by_key)
+    return AttentionTiles(sizes, key_tiles, key_counts, query_tiles.contiguous(), query_counts.contiguous())
+
+
+# ----------------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _masked_scores(q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION: tl.constexpr):
+    """scale q.k^T for a [ROWS, KEYS] tile, -inf where the mask is False (or out of range)."""
+    inside = row_ok[:, None] & key_ok[None, :]
+    visible = tl.load(visible_ptr + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return tl.where(visible, scores, float("-inf"))
+
+
+_SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "stride_mq")
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _masked_attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, out_ptr, lse_ptr,
+    q_len, k_len, num_heads, groups, list_len, scale,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    q_tile = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = head // groups
+    rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
+    row_ok = rows < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    mask_base = mask_ptr + batch * stride_mb
+    list_row = batch * tl.num_programs(0) + q_tile
+    count = tl.load(counts_ptr + list_row)
+    running_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
+    for i in range(0, count):
+        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        key_ok = keys < k_len
+        k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
+        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
+        p = tl.exp(scores - shift[:, None])
+        alpha = tl.exp(running_max - shift)
+        running_sum = running_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        running_max = new_max
+    empty = running_sum == 0.0
+    out = acc / tl.where(empty, 1.0, running_sum)[:, None]
+    tl.store(
+        out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    lse = tl.where(
+        empty, float("inf"), running_max + tl.log(tl.where(empty, 1.0, running_sum))
+    )  # +inf: p = 0 in the backward
+    tl.store(lse_ptr + (batch * num_heads + head) * q_len + rows, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _masked_attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr,
+    q_len, k_len, num_heads, groups, list_len, scale,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dq with q's strides; grad_out with the strides stride_o*."""
+    q_tile = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = head // groups
+    rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
+    row_ok = rows < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+    grad_out = tl.load(
+        grad_out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    stats = (batch * num_heads + head) * q_len + rows
+    lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    mask_base = mask_ptr + batch * stride_mb
+    list_row = batch * tl.num_programs(0) + q_tile
+    count = tl.load(counts_ptr + list_row)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
+    for i in range(0, count):
+        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        key_ok = keys < k_len
+        k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
+        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
+        p = tl.exp(scores - lse[:, None])
+        grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
+        grad_scores = p * (grad_p - delta[:, None])
+        acc += tl.dot(grad_scores.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(grad_q_ptr + q_offsets, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _masked_attention_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_k_ptr, grad_v_ptr,
+    q_len, k_len, num_heads, groups, list_len, scale,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dk / dv of one key tile and key-value head, over every query head of its group; dk has k's strides and dv
+    v's. Tiles are [keys, rows] throughout, so q and grad_out are only right operands."""
+    key_tile = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    key_ok = keys < k_len
+    dims = tl.arange(0, HEAD_DIM)
+    k_offsets = batch * stride_kb + kv_head * stride_kh + keys[:, None] * stride_ks + dims[None, :]
+    v_offsets = batch * stride_vb + kv_head * stride_vh + keys[:, None] * stride_vs + dims[None, :]
+    k = tl.load(k_ptr + k_offsets, mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + v_offsets, mask=key_ok[:, None], other=0.0)
+    mask_base = mask_ptr + batch * stride_mb
+    list_row = batch * tl.num_programs(0) + key_tile
+    count = tl.load(counts_ptr + list_row)
+    grad_k = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
+    grad_v = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
+    for member in range(0, groups):
+        head = kv_head * groups + member
+        for i in range(0, count):
+            query_tile = tl.load(tiles_ptr + list_row * list_len + i)
+            rows = (query_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
+            row_ok = rows < q_len
+            q = tl.load(
+                q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            grad_out = tl.load(
+                grad_out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            stats = (batch * num_heads + head) * q_len + rows
+            lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
+            inside = key_ok[:, None] & row_ok[None, :]
+            visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
+            scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+            p = tl.exp(tl.where(visible, scores, float("-inf")) - lse[None, :])
+            grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
+            grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
+            grad_scores = p * (grad_p - delta[None, :])
+            grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=PRECISION)
+    tl.store(grad_k_ptr + k_offsets, (grad_k * scale).to(grad_k_ptr.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(grad_v_ptr + v_offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_ok[:, None])
+
+
+# -------------------------------------------------------------------------------------------------------- host side
+def _strides(q, k, v, plane, out) -> tuple:
+    """q / k / v [B, heads, T, D]; the mask's plane [B, Q, K]; out (or its gradient) [B, Q, N, D]."""
+    return (
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), plane.stride(0), plane.stride(1),
+        out.stride(0), out.stride(2), out.stride(1),
+    )  # fmt: skip
+
+
+def _meta(q, block_q, block_k) -> dict:
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return dict(
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        HEAD_DIM=q.shape[3],
+        PRECISION="tf32" if half else "ieee",  # fp32 inputs keep fp32 products
+        num_warps=8 if half else 4,
+        num_stages=3 if half else 2,
+    )
+
+
+def _out_like(q: torch.Tensor) -> torch.Tensor:
+    """[B, Q, N, D]: what the output projection reads, flattened over the heads."""
+    batch, heads, q_len, head_dim = q.shape
+    return q.new_empty(batch, q_len, heads, head_dim)
+
+
+@torch.library.custom_op("liger_dspine::masked_attention", mutates_args=())
+def _masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    key_tiles: torch.Tensor,
+    key_counts: torch.Tensor,
+    block_q: int,
+    block_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Q, N, D], lse [B, N, Q] fp32)."""
+    batch, heads, q_len, _ = q.shape
+    out = _out_like(q)
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
+    plane = mask[:, 0]
+    grid = (key_counts.shape[1], heads, batch)
+    _masked_attention_forward_kernel[grid](
+        q, k, v, plane, key_tiles, key_counts, out, lse,
+        q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
+        *_strides(q, k, v, plane, out), **_meta(q, block_q, block_k),
+    )  # fmt: skip
+    return out, lse
+
+
+@_masked_attention.register_fake
+def _(q, k, v, mask, key_tiles, key_counts, block_q, block_k, scale):
+    batch, heads, q_len, _ = q.shape
+    return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
+
+
+def _dq_arguments(q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale):
+    plane = mask[:, 0]
+    heads = q.shape[1]
+    tensors = (q, k, v, plane, key_tiles, key_counts, grad_out, lse, delta, grad_q)
+    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale)
+    return tensors, sizes, _strides(q, k, v, plane, grad_out)
+
+
+def _dkv_arguments(q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale):
+    plane = mask[:, 0]
+    heads = q.shape[1]
+    tensors = (q, k, v, plane, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v)
+    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], query_tiles.shape[2], scale)
+    return tensors, sizes, _strides(q, k, v, plane, grad_out)
+
+
+@torch.library.custom_op("liger_dspine::masked_attention_backward", mutates_args=())
+def _masked_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    key_tiles: torch.Tensor,
+    key_counts: torch.Tensor,
+    query_tiles: torch.Tensor,
+    query_counts: torch.Tensor,
+    sizes: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq like q, dk like k, dv like v); grad_out [B, Q, N, D]; sizes = TileSizes; delta [B, N, Q] fp32."""
+    block_q, block_k, dkv_key, dkv_query = sizes
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    tensors, scalars, strides = _dq_arguments(q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale)
+    _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
+        *tensors, *scalars, *strides, **_meta(q, block_q, block_k)
+    )
+    tensors, scalars, strides = _dkv_arguments(
+        q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale
+    )
+    _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
+        *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key)
+    )
+    return grad_q, grad_k, grad_v
+
+
+@_masked_attention_backward.register_fake
+def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, query_tiles, query_counts, sizes, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) -> None:
+    """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
+    out, delta as lse."""
+    sizes = tiles.sizes
+    tensors, scalars, strides = _dq_arguments(q, k, v, mask, tiles.key_tiles, tiles.key_counts, out, lse, lse, q, scale)
+    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key))
+    tensors, scalars, strides = _dkv_arguments(
+        q, k, v, mask, tiles.query_tiles, tiles.query_counts, out, lse, lse, k, v, scale
+    )
+    precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key))
+
+
+class LigerMaskedAttentionFunction(torch.autograd.Function):
+    """``(q [B, N, Q, D], k [B, N/g, K, D], v [B, N/g, K, D], mask bool [B, 1, Q, K], tiles, scale)`` ->
+    [B, Q, N, D]."""
+
+    kernel_ops = ("liger_dspine::masked_attention", "liger_dspine::masked_attention_backward")
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, tiles: AttentionTiles, scale):
+        out, lse = _masked_attention(q, k, v, mask, tiles.key_tiles, tiles.key_counts, *tiles.sizes[:2], scale)
+        if q.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
+            _precompile_backward(q, k, v, mask, tiles, out, lse, scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse, *tiles[1:])
+        ctx.sizes, ctx.scale = list(tiles.sizes), scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, lse, key_tiles, key_counts, query_tiles, query_counts = ctx.saved_tensors
+        if grad_out.stride(3) != 1:
+            grad_out = grad_out.contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, N, Q]
+        grad_q, grad_k, grad_v = _masked_attention_backward(
+            grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, query_tiles, query_counts, ctx.sizes, ctx.scale
+        )
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+def masked_attention_runs(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    """Whether :func:`liger_masked_attention` takes these inputs: a device its kernels run on, no dropout, fp32 /
+    bf16 / fp16, and a head width that is a power of two from 16 to 256."""
+    head_dim = query.shape[-1]
+    return (
+        kernel_runs_on(query, _masked_attention_forward_kernel)
+        and dropout == 0.0
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and 16 <= head_dim <= 256
+        and not head_dim & (head_dim - 1)
+        and query.shape[1] % key.shape[1] == 0
+    )
+
+
+def liger_masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    tiles: AttentionTiles | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, N, Q, D] over k / v [B, N/g, K, D] (query head h reads key-value head h // g) under a
+    bool mask [B or 1, 1, Q, K] (True = attend) -> [B, Q, N, D] in q's dtype. ``tiles`` (from
+    :func:`attention_tiles` with ``tile_sizes(q.dtype, D)``) may be shared by calls with the same mask."""
+    check_kernel_device(query, "the masked attention")
+    batch, heads, q_len, head_dim = query.shape
+    kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
+    if key.dim() != 4 or tuple(key.shape) != kv_shape or tuple(value.shape) != kv_shape or heads % key.shape[1]:
+        raise ValueError(
+            f"liger-dspine: masked attention expects k and v [{batch}, heads dividing {heads}, K, {head_dim}], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(
+            f"liger-dspine: masked attention expects q, k and v in one dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
+        )
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"liger-dspine: masked attention needs a head dim that is a power of two in [16, 256], got {head_dim}"
+        )
+    if (
+        mask.dtype != torch.bool
+        or mask.dim() != 4
+        or mask.shape[1] != 1
+        or tuple(mask.shape[2:]) != (q_len, key.shape[2])
+    ):
+        raise ValueError(
+            f"liger-dspine: masked attention expects a bool mask [B, 1, {q_len}, {key.shape[2]}], got {mask.dtype} "
+            f"{tuple(mask.shape)}"
+        )
+    if mask.shape[0] not in (1, batch):
+        raise ValueError(f"liger-dspine: masked attention's mask batch must be 1 or {batch}, got {mask.shape[0]}")
+    mask = mask.expand(batch, 1, q_len, key.shape[2])
+    if mask.stride(3) != 1:
+        mask = mask.contiguous()
+    sizes = tile_sizes(query.dtype, head_dim)
+    if tiles is None:
+        tiles = attention_tiles(mask, sizes)
+    elif tiles.sizes != sizes or tiles.key_counts.shape[0] != batch:
+        raise ValueError(
+            f"liger-dspine: masked attention's tiles were made for {tiles.sizes}, these inputs need {sizes}"
+        )
+    query, key, value = (t if t.stride(3) == 1 else t.contiguous() for t in (query, key, value))
+    return LigerMaskedAttentionFunction.apply(query, key, value, mask, tiles, float(scale))
