@@ -46,44 +46,52 @@ class AttentionTiles(NamedTuple):
     """Which tiles of a [B, 1, Q, K] mask hold a visible pair, as lists (visible tiles first, ascending)."""
 
     sizes: TileSizes
-    key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles
+    key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles (entries)
     key_counts: torch.Tensor  # int32 [B, Q / query]
     query_tiles: torch.Tensor  # int32 [B, K / dkv_key, Q / dkv_query]: per key tile, its visible query tiles
     query_counts: torch.Tensor  # int32 [B, K / dkv_key]
 
 
-def _tile_map(mask: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """[B, Q, K] bool -> [B, ceil(Q / rows), ceil(K / cols)] bool: whether the tile holds any True."""
+def _tile_map(mask: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Q, K] bool -> whether each [rows, cols] tile holds any True, and whether it is all True (tiles past the
+    edges are padded with False), each [B, ceil(Q / rows), ceil(K / cols)]."""
     batch, q_len, k_len = mask.shape
     padded = F.pad(mask, (0, -k_len % cols, 0, -q_len % rows))
     tiles = padded.view(batch, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
-    return tiles.any(dim=4).any(dim=2)
+    return tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
 
 
-def _lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, R, C] bool -> (the indices of the True entries first, ascending, [B, R, C] int32; their counts [B, R])."""
-    order = torch.sort((~tiles).to(torch.uint8), dim=-1, stable=True).indices
-    return order.to(torch.int32), tiles.sum(dim=-1, dtype=torch.int32)
+def _lists(visible: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R, C] bool maps -> (entries [B, R, C] int32: the visible tiles first, ascending, each as
+    ``2 * index + full``; their counts [B, R]). A full tile is read without its mask."""
+    order = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices
+    entries = order * 2 + full.gather(-1, order)
+    return entries.to(torch.int32).contiguous(), visible.sum(dim=-1, dtype=torch.int32).contiguous()
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
-    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (one reduction and two sorts; a mask
+    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (two reductions and two sorts; a mask
     shared by several layers needs them once)."""
     plane = mask[:, 0]
-    key_tiles, key_counts = _lists(_tile_map(plane, sizes.query, sizes.key))
-    by_key = _tile_map(plane, sizes.dkv_query, sizes.dkv_key).transpose(1, 2)
-    query_tiles, query_counts = _lists(by_key)
-    return AttentionTiles(sizes, key_tiles, key_counts, query_tiles.contiguous(), query_counts.contiguous())
+    key_tiles, key_counts = _lists(*_tile_map(plane, sizes.query, sizes.key))
+    by_key = [t.transpose(1, 2) for t in _tile_map(plane, sizes.dkv_query, sizes.dkv_key)]
+    query_tiles, query_counts = _lists(*by_key)
+    return AttentionTiles(sizes, key_tiles, key_counts, query_tiles, query_counts)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _masked_scores(q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION: tl.constexpr):
-    """scale q.k^T for a [ROWS, KEYS] tile, -inf where the mask is False (or out of range)."""
-    inside = row_ok[:, None] & key_ok[None, :]
-    visible = tl.load(visible_ptr + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
+def _masked_scores(
+    q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, full, PRECISION: tl.constexpr
+):  # fmt: skip
+    """scale q.k^T for a [ROWS, KEYS] tile, -inf where the mask is False (or out of range); a full tile (every pair
+    visible, so inside the edges too) skips the mask."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    return tl.where(visible, scores, float("-inf"))
+    if full == 0:
+        inside = row_ok[:, None] & key_ok[None, :]
+        visible = tl.load(visible_ptr + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
+        scores = tl.where(visible, scores, float("-inf"))
+    return scores
 
 
 _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "stride_mq")
@@ -118,12 +126,12 @@ def _masked_attention_forward_kernel(
     running_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     for i in range(0, count):
-        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        entry = tl.load(tiles_ptr + list_row * list_len + i)
+        keys = ((entry >> 1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
         key_ok = keys < k_len
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
+        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, PRECISION)
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
         p = tl.exp(scores - shift[:, None])
@@ -177,12 +185,12 @@ def _masked_attention_dq_kernel(
     count = tl.load(counts_ptr + list_row)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     for i in range(0, count):
-        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        entry = tl.load(tiles_ptr + list_row * list_len + i)
+        keys = ((entry >> 1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
         key_ok = keys < k_len
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
+        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, PRECISION)
         p = tl.exp(scores - lse[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[:, None])
@@ -218,8 +226,8 @@ def _masked_attention_dkv_kernel(
     for member in range(0, groups):
         head = kv_head * groups + member
         for i in range(0, count):
-            query_tile = tl.load(tiles_ptr + list_row * list_len + i)
-            rows = (query_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
+            entry = tl.load(tiles_ptr + list_row * list_len + i)
+            rows = ((entry >> 1) * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
             row_ok = rows < q_len
             q = tl.load(
                 q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
@@ -234,10 +242,12 @@ def _masked_attention_dkv_kernel(
             stats = (batch * num_heads + head) * q_len + rows
             lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-            inside = key_ok[:, None] & row_ok[None, :]
-            visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
             scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
-            p = tl.exp(tl.where(visible, scores, float("-inf")) - lse[None, :])
+            if (entry & 1) == 0:  # a partly visible tile: its mask (a full one lies inside the edges)
+                inside = key_ok[:, None] & row_ok[None, :]
+                visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
+                scores = tl.where(visible, scores, float("-inf"))
+            p = tl.exp(scores - lse[None, :])
             grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
             grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
             grad_scores = p * (grad_p - delta[None, :])
