@@ -81,17 +81,34 @@ def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
 
 # ----------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _masked_scores(
-    q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, full, PRECISION: tl.constexpr
-):  # fmt: skip
-    """scale q.k^T for a [ROWS, KEYS] tile, -inf where the mask is False (or out of range); a full tile (every pair
-    visible, so inside the edges too) skips the mask."""
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    if full == 0:
-        inside = row_ok[:, None] & key_ok[None, :]
-        visible = tl.load(visible_ptr + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
+def _apply_mask(scores, visible_ptr, offsets, inside, full, FULL_TILES: tl.constexpr):
+    """-inf where the mask [ROWS, KEYS] at ``offsets`` is False or out of range. A full tile (every pair visible,
+    so inside the edges too) needs no mask: FULL_TILES 0 reads it anyway, 1 predicates its loads off, 2 branches
+    around them."""
+    if FULL_TILES == 2:
+        if full == 0:
+            visible = tl.load(visible_ptr + offsets, mask=inside, other=0) != 0
+            scores = tl.where(visible, scores, float("-inf"))
+    elif FULL_TILES == 1:
+        partial = (offsets * 0 + full) == 0  # a tensor: Triton's interpreter takes no broadcast scalar mask
+        visible = (tl.load(visible_ptr + offsets, mask=inside & partial, other=1) != 0) & inside
+        scores = tl.where(visible, scores, float("-inf"))
+    else:
+        visible = tl.load(visible_ptr + offsets, mask=inside, other=0) != 0
         scores = tl.where(visible, scores, float("-inf"))
     return scores
+
+
+@triton.jit
+def _masked_scores(
+    q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, full,
+    FULL_TILES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """scale q.k^T for a [ROWS, KEYS] tile, masked (:func:`_apply_mask`)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    offsets = rows[:, None] * stride_mq + keys[None, :]
+    inside = row_ok[:, None] & key_ok[None, :]
+    return _apply_mask(scores, visible_ptr, offsets, inside, full, FULL_TILES)
 
 
 _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "stride_mq")
@@ -103,7 +120,8 @@ def _masked_attention_forward_kernel(
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_TILES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     q_tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -131,7 +149,9 @@ def _masked_attention_forward_kernel(
         key_ok = keys < k_len
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, PRECISION)
+        scores = _masked_scores(
+            q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, FULL_TILES, PRECISION
+        )
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
         p = tl.exp(scores - shift[:, None])
@@ -158,7 +178,8 @@ def _masked_attention_dq_kernel(
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_TILES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq with q's strides; grad_out with the strides stride_o*."""
     q_tile = tl.program_id(0)
@@ -190,7 +211,9 @@ def _masked_attention_dq_kernel(
         key_ok = keys < k_len
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, PRECISION)
+        scores = _masked_scores(
+            q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, FULL_TILES, PRECISION
+        )
         p = tl.exp(scores - lse[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[:, None])
@@ -204,7 +227,8 @@ def _masked_attention_dkv_kernel(
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_TILES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dk / dv of one key tile and key-value head, over every query head of its group; dk has k's strides and dv
     v's. Tiles are [keys, rows] throughout, so q and grad_out are only right operands."""
@@ -243,10 +267,9 @@ def _masked_attention_dkv_kernel(
             lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
             scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
-            if (entry & 1) == 0:  # a partly visible tile: its mask (a full one lies inside the edges)
-                inside = key_ok[:, None] & row_ok[None, :]
-                visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
-                scores = tl.where(visible, scores, float("-inf"))
+            offsets = rows[None, :] * stride_mq + keys[:, None]
+            inside = key_ok[:, None] & row_ok[None, :]
+            scores = _apply_mask(scores, mask_base, offsets, inside, entry & 1, FULL_TILES)
             p = tl.exp(scores - lse[None, :])
             grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
             grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
@@ -266,9 +289,15 @@ def _strides(q, k, v, plane, out) -> tuple:
     )  # fmt: skip
 
 
-def _meta(q, block_q, block_k) -> dict:
+# How each kernel treats the tiles where every pair is visible (:func:`_apply_mask`), chosen on the H200 by
+# benchmark/bench_masked_attention.py --full-tiles.
+FULL_TILES = {"forward": 0, "dq": 0, "dkv": 2}
+
+
+def _meta(q, block_q, block_k, kernel: str) -> dict:
     half = q.dtype in (torch.bfloat16, torch.float16)
     return dict(
+        FULL_TILES=FULL_TILES[kernel],
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         HEAD_DIM=q.shape[3],
@@ -305,7 +334,7 @@ def _masked_attention(
     _masked_attention_forward_kernel[grid](
         q, k, v, plane, key_tiles, key_counts, out, lse,
         q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
-        *_strides(q, k, v, plane, out), **_meta(q, block_q, block_k),
+        *_strides(q, k, v, plane, out), **_meta(q, block_q, block_k, "forward"),
     )  # fmt: skip
     return out, lse
 
@@ -353,13 +382,13 @@ def _masked_attention_backward(
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     tensors, scalars, strides = _dq_arguments(q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale)
     _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
-        *tensors, *scalars, *strides, **_meta(q, block_q, block_k)
+        *tensors, *scalars, *strides, **_meta(q, block_q, block_k, "dq")
     )
     tensors, scalars, strides = _dkv_arguments(
         q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale
     )
     _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
-        *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key)
+        *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key, "dkv")
     )
     return grad_q, grad_k, grad_v
 
@@ -374,11 +403,13 @@ def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) 
     out, delta as lse."""
     sizes = tiles.sizes
     tensors, scalars, strides = _dq_arguments(q, k, v, mask, tiles.key_tiles, tiles.key_counts, out, lse, lse, q, scale)
-    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key))
+    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key, "dq"))
     tensors, scalars, strides = _dkv_arguments(
         q, k, v, mask, tiles.query_tiles, tiles.query_counts, out, lse, lse, k, v, scale
     )
-    precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key))
+    precompile(
+        _masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key, "dkv")
+    )
 
 
 class LigerMaskedAttentionFunction(torch.autograd.Function):

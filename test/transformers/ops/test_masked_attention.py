@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from liger_dspine.models.dspine.masks import causal_block_mask
+from liger_dspine.ops import masked_attention
 from liger_dspine.ops.masked_attention import attention_tiles
 from liger_dspine.ops.masked_attention import liger_masked_attention
 from liger_dspine.ops.masked_attention import tile_sizes
@@ -131,7 +132,9 @@ def test_tile_lists_name_exactly_the_visible_tiles():
 
 
 @pytest.mark.parametrize("everywhere", [False, True])
-def test_full_tiles_skip_the_mask_and_stay_exact(device, everywhere):
+@pytest.mark.parametrize("full_tiles", [0, 1, 2])  # every way a kernel may treat a full tile
+def test_full_tiles_skip_the_mask_and_stay_exact(device, everywhere, full_tiles, monkeypatch):
+    monkeypatch.setattr(masked_attention, "FULL_TILES", dict.fromkeys(("forward", "dq", "dkv"), full_tiles))
     mask = torch.ones(2, 1, 150, 130, dtype=torch.bool)
     if not everywhere:  # full tiles next to partial ones and a ragged edge
         mask[:, :, 70, 5] = False
