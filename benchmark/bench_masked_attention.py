@@ -11,10 +11,7 @@ models/dspine/masks.py, bf16. Three implementations, each forward and forward + 
 Median of 10 CUDA-event timings after 3 warm-ups, peak memory above the inputs, and the fraction of mask tiles the
 kernel visits. Writes benchmark/data/masked_attention.csv, .md and .png.
 
-    python benchmark/bench_masked_attention.py [--anchors 512] [--context 3072] [--full-tiles] [--replot CSV]
-
-``--full-tiles`` first times the kernels for each way of treating the tiles where every pair is visible
-(``FULL_TILES`` of ops/masked_attention.py) into masked_attention_full_tiles.csv.
+    python benchmark/bench_masked_attention.py [--anchors 512] [--context 3072] [--replot CSV]
 """
 
 import argparse
@@ -137,49 +134,6 @@ def measure(anchors: int, context: int) -> list[dict]:
     return rows
 
 
-def measure_full_tiles(anchors: int, context: int) -> list[dict]:
-    """The kernel's forward for each way of treating full tiles (ops/masked_attention.py ``FULL_TILES``), and its
-    forward + backward for each pair of ways of the dq and dk / dv kernels, the forward kept as it is."""
-    import itertools
-
-    import torch
-
-    from liger_dspine.ops import masked_attention
-
-    q, k, v, mask = inputs(anchors, context, torch)
-    scale = HEAD_DIM**-0.5
-    tiles = masked_attention.attention_tiles(mask, masked_attention.tile_sizes(torch.bfloat16, HEAD_DIM))
-    grad = torch.randn(BATCH, q.shape[2], HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    chosen = dict(masked_attention.FULL_TILES)
-
-    def forward():
-        with torch.no_grad():
-            masked_attention.liger_masked_attention(q, k, v, mask, scale, tiles=tiles)
-
-    def step():
-        out = masked_attention.liger_masked_attention(q, k, v, mask, scale, tiles=tiles)
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    rows = []
-    for mode in (0, 1, 2):
-        masked_attention.FULL_TILES.update(chosen, forward=mode)
-        rows.append(dict(forward=mode, dq="", dkv="", forward_ms=round(timed(forward, torch)[0], 2), step_ms=""))
-        print(rows[-1], flush=True)
-    for dq, dkv in itertools.product((0, 1, 2), repeat=2):
-        masked_attention.FULL_TILES.update(chosen, dq=dq, dkv=dkv)
-        rows.append(
-            dict(forward=chosen["forward"], dq=dq, dkv=dkv, forward_ms="", step_ms=round(timed(step, torch)[0], 2))
-        )
-        print(rows[-1], flush=True)
-    masked_attention.FULL_TILES.update(chosen)
-    os.makedirs(DATA, exist_ok=True)
-    with open(os.path.join(DATA, "masked_attention_full_tiles.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return rows
-
-
 def write(rows: list[dict], name: str = "masked_attention") -> None:
     os.makedirs(DATA, exist_ok=True)
     with open(os.path.join(DATA, f"{name}.csv"), "w", newline="") as f:
@@ -225,15 +179,12 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--context", type=int, default=3072)
     parser.add_argument("--replot", help="redraw the plot and table from this CSV")
-    parser.add_argument("--full-tiles", action="store_true", help="also time each way of treating full tiles")
     args, _ = parser.parse_known_args()
     if args.replot:
         with open(args.replot) as f:
             rows = [dict(r) for r in csv.DictReader(f)]
         write(rows)
         return
-    if args.full_tiles:
-        measure_full_tiles(args.anchors, args.context)
     write(measure(args.anchors, args.context))
 
 

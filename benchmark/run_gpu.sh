@@ -178,7 +178,7 @@ for step in "$@"; do
     # launch settings of the DSpine refinement loss's candidate-score kernels
     bench-candidate-scores) BENCH_SCRIPT=benchmark/bench_candidate_scores.py run_bench ;;
     # DSpine's draft-block attention alone: sdpa against the masked-attention kernel (bench_masked_attention.py)
-    bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench --full-tiles ;;
+    bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;

@@ -46,69 +46,44 @@ class AttentionTiles(NamedTuple):
     """Which tiles of a [B, 1, Q, K] mask hold a visible pair, as lists (visible tiles first, ascending)."""
 
     sizes: TileSizes
-    key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles (entries)
+    key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles
     key_counts: torch.Tensor  # int32 [B, Q / query]
     query_tiles: torch.Tensor  # int32 [B, K / dkv_key, Q / dkv_query]: per key tile, its visible query tiles
     query_counts: torch.Tensor  # int32 [B, K / dkv_key]
 
 
-def _tile_map(mask: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Q, K] bool -> whether each [rows, cols] tile holds any True, and whether it is all True (tiles past the
-    edges are padded with False), each [B, ceil(Q / rows), ceil(K / cols)]."""
+def _tile_map(mask: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[B, Q, K] bool -> [B, ceil(Q / rows), ceil(K / cols)] bool: whether the tile holds any True."""
     batch, q_len, k_len = mask.shape
     padded = F.pad(mask, (0, -k_len % cols, 0, -q_len % rows))
     tiles = padded.view(batch, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
-    return tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
+    return tiles.any(dim=4).any(dim=2)
 
 
-def _lists(visible: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, R, C] bool maps -> (entries [B, R, C] int32: the visible tiles first, ascending, each as
-    ``2 * index + full``; their counts [B, R]). A full tile is read without its mask."""
-    order = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices
-    entries = order * 2 + full.gather(-1, order)
-    return entries.to(torch.int32).contiguous(), visible.sum(dim=-1, dtype=torch.int32).contiguous()
+def _lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R, C] bool -> (the indices of the True entries first, ascending, [B, R, C] int32; their counts [B, R])."""
+    order = torch.sort((~tiles).to(torch.uint8), dim=-1, stable=True).indices
+    return order.to(torch.int32), tiles.sum(dim=-1, dtype=torch.int32)
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
-    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (two reductions and two sorts; a mask
+    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (one reduction and two sorts; a mask
     shared by several layers needs them once)."""
     plane = mask[:, 0]
-    key_tiles, key_counts = _lists(*_tile_map(plane, sizes.query, sizes.key))
-    by_key = [t.transpose(1, 2) for t in _tile_map(plane, sizes.dkv_query, sizes.dkv_key)]
-    query_tiles, query_counts = _lists(*by_key)
-    return AttentionTiles(sizes, key_tiles, key_counts, query_tiles, query_counts)
+    key_tiles, key_counts = _lists(_tile_map(plane, sizes.query, sizes.key))
+    by_key = _tile_map(plane, sizes.dkv_query, sizes.dkv_key).transpose(1, 2)
+    query_tiles, query_counts = _lists(by_key)
+    return AttentionTiles(sizes, key_tiles, key_counts, query_tiles.contiguous(), query_counts.contiguous())
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _apply_mask(scores, visible_ptr, offsets, inside, full, FULL_TILES: tl.constexpr):
-    """-inf where the mask [ROWS, KEYS] at ``offsets`` is False or out of range. A full tile (every pair visible,
-    so inside the edges too) needs no mask: FULL_TILES 0 reads it anyway, 1 predicates its loads off, 2 branches
-    around them."""
-    if FULL_TILES == 2:
-        if full == 0:
-            visible = tl.load(visible_ptr + offsets, mask=inside, other=0) != 0
-            scores = tl.where(visible, scores, float("-inf"))
-    elif FULL_TILES == 1:
-        partial = (offsets * 0 + full) == 0  # a tensor: Triton's interpreter takes no broadcast scalar mask
-        visible = (tl.load(visible_ptr + offsets, mask=inside & partial, other=1) != 0) & inside
-        scores = tl.where(visible, scores, float("-inf"))
-    else:
-        visible = tl.load(visible_ptr + offsets, mask=inside, other=0) != 0
-        scores = tl.where(visible, scores, float("-inf"))
-    return scores
-
-
-@triton.jit
-def _masked_scores(
-    q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, full,
-    FULL_TILES: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """scale q.k^T for a [ROWS, KEYS] tile, masked (:func:`_apply_mask`)."""
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    offsets = rows[:, None] * stride_mq + keys[None, :]
+def _masked_scores(q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION: tl.constexpr):
+    """scale q.k^T for a [ROWS, KEYS] tile, -inf where the mask is False (or out of range)."""
     inside = row_ok[:, None] & key_ok[None, :]
-    return _apply_mask(scores, visible_ptr, offsets, inside, full, FULL_TILES)
+    visible = tl.load(visible_ptr + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return tl.where(visible, scores, float("-inf"))
 
 
 _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "stride_mq")
@@ -120,8 +95,7 @@ def _masked_attention_forward_kernel(
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_TILES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     q_tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -144,14 +118,12 @@ def _masked_attention_forward_kernel(
     running_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     for i in range(0, count):
-        entry = tl.load(tiles_ptr + list_row * list_len + i)
-        keys = ((entry >> 1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
         key_ok = keys < k_len
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(
-            q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, FULL_TILES, PRECISION
-        )
+        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
         p = tl.exp(scores - shift[:, None])
@@ -178,8 +150,7 @@ def _masked_attention_dq_kernel(
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_TILES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq with q's strides; grad_out with the strides stride_o*."""
     q_tile = tl.program_id(0)
@@ -206,14 +177,12 @@ def _masked_attention_dq_kernel(
     count = tl.load(counts_ptr + list_row)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     for i in range(0, count):
-        entry = tl.load(tiles_ptr + list_row * list_len + i)
-        keys = ((entry >> 1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
         key_ok = keys < k_len
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(
-            q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, entry & 1, FULL_TILES, PRECISION
-        )
+        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
         p = tl.exp(scores - lse[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[:, None])
@@ -227,8 +196,7 @@ def _masked_attention_dkv_kernel(
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_TILES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dk / dv of one key tile and key-value head, over every query head of its group; dk has k's strides and dv
     v's. Tiles are [keys, rows] throughout, so q and grad_out are only right operands."""
@@ -250,8 +218,8 @@ def _masked_attention_dkv_kernel(
     for member in range(0, groups):
         head = kv_head * groups + member
         for i in range(0, count):
-            entry = tl.load(tiles_ptr + list_row * list_len + i)
-            rows = ((entry >> 1) * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
+            query_tile = tl.load(tiles_ptr + list_row * list_len + i)
+            rows = (query_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
             row_ok = rows < q_len
             q = tl.load(
                 q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
@@ -266,11 +234,10 @@ def _masked_attention_dkv_kernel(
             stats = (batch * num_heads + head) * q_len + rows
             lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-            scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
-            offsets = rows[None, :] * stride_mq + keys[:, None]
             inside = key_ok[:, None] & row_ok[None, :]
-            scores = _apply_mask(scores, mask_base, offsets, inside, entry & 1, FULL_TILES)
-            p = tl.exp(scores - lse[None, :])
+            visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
+            scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+            p = tl.exp(tl.where(visible, scores, float("-inf")) - lse[None, :])
             grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
             grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
             grad_scores = p * (grad_p - delta[None, :])
@@ -289,15 +256,9 @@ def _strides(q, k, v, plane, out) -> tuple:
     )  # fmt: skip
 
 
-# How each kernel treats the tiles where every pair is visible (:func:`_apply_mask`), chosen on the H200 by
-# benchmark/bench_masked_attention.py --full-tiles.
-FULL_TILES = {"forward": 0, "dq": 0, "dkv": 2}
-
-
-def _meta(q, block_q, block_k, kernel: str) -> dict:
+def _meta(q, block_q, block_k) -> dict:
     half = q.dtype in (torch.bfloat16, torch.float16)
     return dict(
-        FULL_TILES=FULL_TILES[kernel],
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         HEAD_DIM=q.shape[3],
@@ -334,7 +295,7 @@ def _masked_attention(
     _masked_attention_forward_kernel[grid](
         q, k, v, plane, key_tiles, key_counts, out, lse,
         q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
-        *_strides(q, k, v, plane, out), **_meta(q, block_q, block_k, "forward"),
+        *_strides(q, k, v, plane, out), **_meta(q, block_q, block_k),
     )  # fmt: skip
     return out, lse
 
@@ -382,13 +343,13 @@ def _masked_attention_backward(
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     tensors, scalars, strides = _dq_arguments(q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale)
     _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
-        *tensors, *scalars, *strides, **_meta(q, block_q, block_k, "dq")
+        *tensors, *scalars, *strides, **_meta(q, block_q, block_k)
     )
     tensors, scalars, strides = _dkv_arguments(
         q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale
     )
     _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
-        *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key, "dkv")
+        *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key)
     )
     return grad_q, grad_k, grad_v
 
@@ -403,13 +364,11 @@ def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) 
     out, delta as lse."""
     sizes = tiles.sizes
     tensors, scalars, strides = _dq_arguments(q, k, v, mask, tiles.key_tiles, tiles.key_counts, out, lse, lse, q, scale)
-    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key, "dq"))
+    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key))
     tensors, scalars, strides = _dkv_arguments(
         q, k, v, mask, tiles.query_tiles, tiles.query_counts, out, lse, lse, k, v, scale
     )
-    precompile(
-        _masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key, "dkv")
-    )
+    precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key))
 
 
 class LigerMaskedAttentionFunction(torch.autograd.Function):
