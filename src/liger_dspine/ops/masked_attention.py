@@ -460,7 +460,8 @@ def liger_masked_attention(
         tiles = attention_tiles(mask, sizes)
     elif tiles.sizes != sizes or tiles.key_counts.shape[0] != batch:
         raise ValueError(
-            f"liger-dspine: masked attention's tiles were made for {tiles.sizes}, these inputs need {sizes}"
+            f"liger-dspine: masked attention's tiles were made for {tiles.sizes} and batch "
+            f"{tiles.key_counts.shape[0]}, these inputs need {sizes} and batch {batch}"
         )
     query, key, value = (t if t.stride(3) == 1 else t.contiguous() for t in (query, key, value))
     return LigerMaskedAttentionFunction.apply(query, key, value, mask, tiles, float(scale))

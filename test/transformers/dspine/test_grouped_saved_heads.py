@@ -109,7 +109,7 @@ def test_liger_attention_matches_native(implementation, head_dim, tolerance):
     query, key, value, bias = _inputs(heads=config.num_attention_heads, dim=native.head_dim, batch=2, q_len=6, k_len=10)
     key = key.detach()[:, :1].expand(-1, config.num_key_value_heads, -1, -1).contiguous().requires_grad_()
     value = value.detach()[:, :1].expand(-1, config.num_key_value_heads, -1, -1).contiguous().requires_grad_()
-    mask = PreparedMask(dense=torch.isfinite(bias))
+    mask = PreparedMask(dense=torch.isfinite(bias[:1]))  # one mask for the batch, broadcast
     results = []
     for module in (native, liger):
         inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]

@@ -44,11 +44,13 @@ class PreparedMask:
         if self.visible is None and self.dense is not None:
             self.visible = self.dense if self.row_visible is None else self.dense & self.row_visible
 
-    def tiles(self, sizes: TileSizes) -> AttentionTiles:
-        """The tile lists of ``visible`` for the masked-attention kernels, made once for every layer."""
-        tiles = self._tiles.get(sizes)
+    def tiles(self, sizes: TileSizes, batch: int) -> AttentionTiles:
+        """The tile lists of ``visible`` (broadcast to ``batch``) for the masked-attention kernels, made once for
+        every layer."""
+        tiles = self._tiles.get((sizes, batch))
         if tiles is None:
-            tiles = self._tiles[sizes] = attention_tiles(self.visible, sizes)
+            visible = self.visible.expand(batch, *self.visible.shape[1:])
+            tiles = self._tiles[(sizes, batch)] = attention_tiles(visible, sizes)
         return tiles
 
     def additive(self, dtype: torch.dtype) -> torch.Tensor:
