@@ -17,12 +17,11 @@ kernel visits. Writes benchmark/data/masked_attention.csv, .md and .png.
 import argparse
 import csv
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cuda_timing import event_times_ms  # noqa: E402
+from cuda_timing import median_ms_and_peak_gib as timed  # noqa: E402
 
 DATA = os.path.join(HERE, "data")
 BATCH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 2, 32, 8, 128, 16
@@ -45,16 +44,6 @@ def inputs(anchors: int, context: int, torch):
         return x.transpose(1, 2).requires_grad_()
 
     return states(q_len, HEADS), states(k_len, KV_HEADS), states(k_len, KV_HEADS), mask
-
-
-def timed(fn, torch, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    times = event_times_ms(fn, torch, reps)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def measure(anchors: int, context: int) -> list[dict]:

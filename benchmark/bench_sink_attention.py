@@ -12,12 +12,11 @@ memory of each. Writes benchmark/data/sink_attention.csv, .md and .png.
 import argparse
 import csv
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cuda_timing import event_times_ms  # noqa: E402
+from cuda_timing import median_ms_and_peak_gib as timed  # noqa: E402
 
 DATA = os.path.join(HERE, "data")
 HEADS, HEAD_DIM, WINDOW = 64, 512, 128
@@ -52,16 +51,6 @@ def eager(q, kv, sinks, mask, bias, scale, torch):
     scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     probs = torch.softmax(scores.float(), dim=-1)[..., :-1].to(q.dtype)
     return torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)
-
-
-def timed(fn, torch, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    times = event_times_ms(fn, torch, reps)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def measure(seq: int) -> list[dict]:

@@ -1,5 +1,7 @@
 """CUDA-event timings shared by the benchmark and profile scripts."""
 
+import statistics
+
 
 def event_times_ms(fn, torch, reps: int, warmup: int = 0) -> list[float]:
     """``reps`` timings of ``fn()`` in ms, each between two CUDA events and synchronised, after ``warmup`` calls."""
@@ -14,3 +16,15 @@ def event_times_ms(fn, torch, reps: int, warmup: int = 0) -> list[float]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def median_ms_and_peak_gib(fn, torch, reps: int = 10, warmup: int = 3) -> tuple[float, float]:
+    """The median of ``reps`` timings of ``fn()`` after ``warmup`` calls, and the peak memory of the timed calls
+    above what was allocated before them, in GiB."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = event_times_ms(fn, torch, reps)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
