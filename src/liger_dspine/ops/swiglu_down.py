@@ -58,7 +58,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             ctx.overwrite_gate = ctx.overwrite_up = False
         else:
-            shares_storage = gate_saved.untyped_storage().data_ptr() == up_saved.untyped_storage().data_ptr()
+            shares_storage = torch._C._is_alias_of(gate_saved, up_saved)  # no data pointer: fake tensors have none
             ctx.overwrite_gate = in_place and (gate_saved is not gate or _overwritable(gate))
             ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
         ctx.overwritten = False
