@@ -1,7 +1,8 @@
 """Where the time and the memory of one DeepSeek-V3 (or DeepSeek-family) training step go (GPU).
 
 Time: torch.profiler over one step after two warm-ups; CUDA kernels grouped into GEMM / attention / Triton /
-elementwise+copy, and the top kernels. Memory: a census of the tensors autograd saves for backward, by shape.
+elementwise+copy, and the top kernels; the host side (wall time, CUDA runtime calls, operators, Python functions
+by cProfile, synchronisations). Memory: a census of the tensors autograd saves for backward, by shape.
 
     python benchmark/profile_step.py --impl liger-dspine --layers 8 --seq 4096 [--options JSON]
     python benchmark/profile_step.py --model deepseek_v2 --impl hf --layers 2 --seq 4096   # bench_family.py's widths
@@ -135,6 +136,25 @@ def print_host(torch, prof, step, top: int, title: str) -> None:
         print(f"{e.self_cpu_time_total / 1000:8.2f} ms  x{e.count:<5d} {e.key[:70]}")
 
 
+def print_python(torch, step, top: int) -> None:
+    """The Python functions of one step by their own time (cProfile): where a host-bound step spends its host time
+    beyond the operators above (module code, autograd Functions, Triton's launchers)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    profile.enable()
+    step()
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"\n## Python functions of one step by their own time (cProfile, top {top})")
+    print(text.getvalue().strip())
+
+
 def _memory_trace(torch, model, ids) -> None:
     """Allocated memory and the peak so far when each decoder layer and its attention / MLP block starts and ends,
     in forward and in backward: where the step's peak happens."""
@@ -249,6 +269,7 @@ def main() -> int:
     print_kernels(torch, prof, args.top, f"one step ({args.impl} {args.layers}L/{args.seq})")
     print_operators(torch, prof, args.top)
     print_host(torch, prof, step, args.top, f"{args.impl} {args.layers}L/{args.seq}")
+    print_python(torch, step, args.top)
     print_syncs(torch, step)
     return 0
 
