@@ -24,9 +24,11 @@ def apply_liger_kernel_to_dspine(
             (no [rows, vocab] logits kept, the input gradient formed in the forward, no head gradient).
         injection: (keyword-only) the spine's ``AdjacentInjection`` -> ``LigerAdjacentInjection``, whose writes and
             features keep about three [tokens, hidden] buffers per layer fewer for the backward.
-        attention: (keyword-only) ``DSpineAttention`` -> ``LigerDSpineAttention``: with sdpa on CUDA in bf16 / fp16,
-            the same attention kernel keeping the key-value heads, not their repeats to every query head, for the
-            backward (two [B, heads, context + draft, head_dim] tensors per layer fewer); and an MLA drafter's
+        attention: (keyword-only) ``DSpineAttention`` -> ``LigerDSpineAttention``: with sdpa or eager, a masked
+            attention kernel that visits only the [query, key] tiles a draft block can see, keeping the key-value
+            heads, not their repeats to every query head, for the backward (where it cannot run, the native
+            attention keeping the grouped heads: two [B, heads, context + draft, head_dim] tensors per layer
+            fewer); and an MLA drafter's
             ``DSpineMLAAttention`` -> ``LigerDSpineMLAAttention``, its query and key assembly (RoPE included) in
             Triton kernels.
         model: None patches at class level (every drafter built afterwards, every objective); a ``DSpineDraftModel``

@@ -18,7 +18,7 @@ DSPINE_SPEC = PatchSpec(
         # builders.Qwen3RMSNorm
         ClassSwap("rms_norm", ("Qwen3RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", ("Qwen3MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
-        # the draft-block attention, keeping the key-value heads (not their repeats) for the backward
+        # the draft-block attention: only the tiles a draft block sees, the key-value heads (not their repeats) kept
         ClassSwap("attention", ("DSpineAttention",), "liger_dspine.models.dspine.liger_attention:LigerDSpineAttention"),
         # an MLA drafter's attention (same option): its query and key assembly with the RoPE in Triton kernels
         ClassSwap(
