@@ -84,11 +84,13 @@ def test_gradient_checkpointing_gives_the_same_loss_and_grads(patched, batch, na
     native_loss, native_grads = native_loss_and_grads
     torch.testing.assert_close(out.loss.detach(), native_loss, **FP32)
     assert_grads_close(grads, native_grads, **FP32)
-    # the recomputation runs the same kernels: the same numbers as the patched model without checkpointing
+    # the recomputation runs the same kernels: the same loss as the patched model without checkpointing, and its
+    # gradients up to the order in which autograd adds the branches' contributions (a few fp32 ulps, e.g. in the
+    # embedding gradient, depending on the transformers version and the CPU)
     patched.gradient_checkpointing_disable()
     plain_out, plain_grads = loss_and_grads(patched, input_ids, labels=labels)
     torch.testing.assert_close(out.loss, plain_out.loss, atol=0, rtol=0)
-    assert_grads_close(grads, plain_grads, atol=0, rtol=0)
+    assert_grads_close(grads, plain_grads, atol=1e-7, rtol=1e-6)
 
 
 def test_greedy_generation_gives_native_tokens_and_scores(native, patched, batch):
