@@ -63,7 +63,7 @@ def measure(anchors: int, context: int) -> list[dict]:
     }
     prepared = prepare_mask(mask)
     sizes = masked_attention.tile_sizes(torch.bfloat16, HEAD_DIM)
-    tiles = prepared.tiles(sizes)
+    tiles = prepared.tiles(sizes, BATCH)
     visited = tiles.key_counts.sum().item() / tiles.key_tiles.numel()
     tiles_ms, _ = timed(lambda: masked_attention.attention_tiles(mask, sizes), torch)
 
