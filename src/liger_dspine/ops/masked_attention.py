@@ -306,19 +306,13 @@ def _(q, k, v, mask, key_tiles, key_counts, block_q, block_k, scale):
     return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
 
-def _dq_arguments(q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale):
+def _backward_arguments(q, k, v, mask, tiles, counts, grad_out, lse, delta, *grads, scale):
+    """(tensors, sizes, strides) of a backward kernel: its tile lists and counts, then the gradients it writes (dq
+    for the dq kernel, dk and dv for the dk / dv kernel)."""
     plane = mask[:, 0]
     heads = q.shape[1]
-    tensors = (q, k, v, plane, key_tiles, key_counts, grad_out, lse, delta, grad_q)
-    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale)
-    return tensors, sizes, _strides(q, k, v, plane, grad_out)
-
-
-def _dkv_arguments(q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale):
-    plane = mask[:, 0]
-    heads = q.shape[1]
-    tensors = (q, k, v, plane, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v)
-    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], query_tiles.shape[2], scale)
+    tensors = (q, k, v, plane, tiles, counts, grad_out, lse, delta, *grads)
+    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], tiles.shape[2], scale)
     return tensors, sizes, _strides(q, k, v, plane, grad_out)
 
 
@@ -341,12 +335,14 @@ def _masked_attention_backward(
     """(dq like q, dk like k, dv like v); grad_out [B, Q, N, D]; sizes = TileSizes; delta [B, N, Q] fp32."""
     block_q, block_k, dkv_key, dkv_query = sizes
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    tensors, scalars, strides = _dq_arguments(q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale)
+    tensors, scalars, strides = _backward_arguments(
+        q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale=scale
+    )
     _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_meta(q, block_q, block_k)
     )
-    tensors, scalars, strides = _dkv_arguments(
-        q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale
+    tensors, scalars, strides = _backward_arguments(
+        q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale=scale
     )
     _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key)
@@ -363,10 +359,12 @@ def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) 
     """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
     out, delta as lse."""
     sizes = tiles.sizes
-    tensors, scalars, strides = _dq_arguments(q, k, v, mask, tiles.key_tiles, tiles.key_counts, out, lse, lse, q, scale)
+    tensors, scalars, strides = _backward_arguments(
+        q, k, v, mask, tiles.key_tiles, tiles.key_counts, out, lse, lse, q, scale=scale
+    )
     precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key))
-    tensors, scalars, strides = _dkv_arguments(
-        q, k, v, mask, tiles.query_tiles, tiles.query_counts, out, lse, lse, k, v, scale
+    tensors, scalars, strides = _backward_arguments(
+        q, k, v, mask, tiles.query_tiles, tiles.query_counts, out, lse, lse, k, v, scale=scale
     )
     precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key))
 
@@ -398,6 +396,11 @@ class LigerMaskedAttentionFunction(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
+def _head_dim_supported(head_dim: int) -> bool:
+    """A power of two from 16 to 256."""
+    return 16 <= head_dim <= 256 and not head_dim & (head_dim - 1)
+
+
 def masked_attention_runs(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
     """Whether :func:`liger_masked_attention` takes these inputs: a device its kernels run on, no dropout, fp32 /
     bf16 / fp16, and a head width that is a power of two from 16 to 256."""
@@ -406,8 +409,7 @@ def masked_attention_runs(query: torch.Tensor, key: torch.Tensor, dropout: float
         kernel_runs_on(query, _masked_attention_forward_kernel)
         and dropout == 0.0
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and 16 <= head_dim <= 256
-        and not head_dim & (head_dim - 1)
+        and _head_dim_supported(head_dim)
         and query.shape[1] % key.shape[1] == 0
     )
 
@@ -436,7 +438,7 @@ def liger_masked_attention(
             f"liger-dspine: masked attention expects q, k and v in one dtype, got {query.dtype}, {key.dtype}, "
             f"{value.dtype}"
         )
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+    if not _head_dim_supported(head_dim):
         raise ValueError(
             f"liger-dspine: masked attention needs a head dim that is a power of two in [16, 256], got {head_dim}"
         )

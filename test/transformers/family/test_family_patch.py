@@ -172,6 +172,14 @@ def expected_targets(case, class_target: str, method_target: str) -> set[str]:
     return targets
 
 
+def loss_and_grads(model, input_ids):
+    """One forward and backward from zeroed gradients: the loss and every gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def train(model, batches, weights=None):
     """STEPS of SGD: the loss and every gradient of each step; with a list ``weights``, the state dict before each
     step is appended to it."""
@@ -181,11 +189,7 @@ def train(model, batches, weights=None):
     for input_ids in batches:
         if weights is not None:
             weights.append({name: value.detach().clone() for name, value in model.state_dict().items()})
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        steps.append((loss.detach(), grads))
+        steps.append(loss_and_grads(model, input_ids))
         optimizer.step()
     return steps
 
@@ -197,10 +201,7 @@ def gradients_at(model, weights, batches):
     for state, input_ids in zip(weights, batches):
         own = model.state_dict()
         model.load_state_dict({name: value.to(own[name].dtype) for name, value in state.items()})
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        steps.append(loss_and_grads(model, input_ids))
     return steps
 
 
