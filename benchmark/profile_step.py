@@ -136,19 +136,62 @@ def print_host(torch, prof, step, top: int, title: str) -> None:
         print(f"{e.self_cpu_time_total / 1000:8.2f} ms  x{e.count:<5d} {e.key[:70]}")
 
 
+# a sleep kernel queued before a step keeps the GPU busy for longer than the host takes to queue the step
+_HOLD_GPU_CYCLES = 10**9
+
+
+def print_host_only(torch, forward, backward, title: str) -> None:
+    """The host's own time for one step: the GPU is held busy by a sleep kernel queued first, so the host never
+    waits for it, except at a synchronisation (then the figure includes the sleep: see the count below). Waits on
+    CUDA events (the label check's) are timed and left out."""
+    import time
+
+    waited = [0.0]
+    event_synchronize = torch.cuda.Event.synchronize
+
+    def timed_synchronize(event):
+        start = time.perf_counter()
+        event_synchronize(event)
+        waited[0] += time.perf_counter() - start
+
+    rows = []
+    torch.cuda.Event.synchronize = timed_synchronize
+    try:
+        for _ in range(5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(_HOLD_GPU_CYCLES)
+            waited[0] = 0.0
+            start = time.perf_counter()
+            loss = forward()
+            mid = time.perf_counter()
+            forward_wait = waited[0]
+            backward(loss)
+            rows.append((mid - start - forward_wait, time.perf_counter() - mid - (waited[0] - forward_wait)))
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.Event.synchronize = event_synchronize
+    fwd, bwd = sorted(rows, key=sum)[len(rows) // 2]
+    print(
+        f"\n## host time of one step, the GPU held busy ({title}): forward {fwd * 1e3:.1f} ms, "
+        f"backward {bwd * 1e3:.1f} ms, total {(fwd + bwd) * 1e3:.1f} ms (median of 5)"
+    )
+
+
 def print_python(torch, step, top: int) -> None:
-    """The Python functions of one step by their own time (cProfile): where a host-bound step spends its host time
-    beyond the operators above (module code, autograd Functions, Triton's launchers)."""
+    """The Python functions of one step by their own time (cProfile), the GPU held busy as in
+    :func:`print_host_only`: where a host-bound step spends its host time beyond the operators above (module code,
+    autograd Functions, Triton's launchers)."""
     import cProfile
     import io
     import pstats
 
     profile = cProfile.Profile()
     torch.cuda.synchronize()
+    torch.cuda._sleep(_HOLD_GPU_CYCLES)
     profile.enable()
     step()
-    torch.cuda.synchronize()
     profile.disable()
+    torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
     print(f"\n## Python functions of one step by their own time (cProfile, top {top})")
@@ -228,10 +271,16 @@ def main() -> int:
     model.train()
     ids = torch.randint(0, config.vocab_size, (1, args.seq), device="cuda")
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def forward():
+        return model(input_ids=ids, labels=ids).loss
+
+    def backward(loss):
+        loss.backward()
         for p in model.parameters():
             p.grad = None
+
+    def step():
+        backward(forward())
 
     for _ in range(2):
         step()
@@ -269,6 +318,7 @@ def main() -> int:
     print_kernels(torch, prof, args.top, f"one step ({args.impl} {args.layers}L/{args.seq})")
     print_operators(torch, prof, args.top)
     print_host(torch, prof, step, args.top, f"{args.impl} {args.layers}L/{args.seq}")
+    print_host_only(torch, forward, backward, f"{args.impl} {args.layers}L/{args.seq}")
     print_python(torch, step, args.top)
     print_syncs(torch, step)
     return 0

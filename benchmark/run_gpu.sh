@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | bench-masked-attention | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-v4-sweep | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-v4-sweep | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -23,6 +23,8 @@
 #   NEW_TRANSFORMERS  1: also install the transformers / huggingface-hub wheels of $WHEELS (default 0)
 #   BENCH_ARGS     extra arguments of the benchmark script (e.g. --tiny, --variant ...)
 #   PYTEST_ARGS    extra arguments of pytest (split on spaces)
+#   PROFILE_MODEL / PROFILE_IMPLS / PROFILE_OPTIONS  profile-family's model (deepseek_v2), implementations
+#                  ("hf liger-dspine") and liger-dspine options (JSON; hf ignores them)
 #   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -124,10 +126,10 @@ for step in "$@"; do
     # a DeepSeek-family step at the family benchmark's depth and widths, 4096 tokens, transformers and liger-dspine
     # (with the benchmark's options); PROFILE_MODEL picks the model (default deepseek_v2)
     profile-family)
-      for impl in hf liger-dspine; do
+      for impl in ${PROFILE_IMPLS:-hf liger-dspine}; do
         LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
-          --model "${PROFILE_MODEL:-deepseek_v2}" --impl $impl --seq 4096 --top 25 2>&1 \
-          | tee -a "$OUT/profile_family.txt"
+          --model "${PROFILE_MODEL:-deepseek_v2}" --impl $impl --seq 4096 --top 25 \
+          ${PROFILE_OPTIONS:+--options "$PROFILE_OPTIONS"} 2>&1 | tee -a "$OUT/profile_family.txt"
       done ;;
     # where the time of the fused DSpine objective (both widths) and the memory of a DSpine step go
     profile-dspine)
@@ -179,6 +181,9 @@ for step in "$@"; do
     bench-candidate-scores) BENCH_SCRIPT=benchmark/bench_candidate_scores.py run_bench ;;
     # DSpine's draft-block attention alone: sdpa against the masked-attention kernel (bench_masked_attention.py)
     bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench ;;
+    # the host's time per call of one RMSNorm by each route (aten, liger-kernel, the custom op with and without
+    # torch's dispatcher)
+    host-per-call) timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/host_per_call.py 2>&1 | tee -a "$OUT/host_per_call.txt" ;;
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;

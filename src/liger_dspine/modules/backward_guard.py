@@ -1,7 +1,8 @@
-"""A clear error, instead of wrong gradients, for a second backward through liger-kernel's fused losses.
+"""A clear error, instead of wrong gradients, for a second backward through liger-kernel's cross-entropy kernel.
 
-liger-kernel's fused linear cross entropy and its cross-entropy kernel compute the input gradient in the forward and
-keep it; their backward multiplies it *in place* by the incoming gradient when that is not exactly 1. A second pass
+liger-kernel's cross-entropy kernel computes the input gradient in the forward and keeps it; its backward multiplies
+it *in place* by the incoming gradient when that is not exactly 1 (the fused linear cross entropy's eager Function,
+``ops/liger_kernel_ops.py``, carries the same check itself). A second pass
 through the same graph (``backward(retain_graph=True)`` twice, or ``torch.autograd.grad(..., retain_graph=True)``
 then ``backward()``) would scale it again and give wrong gradients with no error. Two identity nodes around such a
 loss turn that into an error: the inner one, on the kernel's loss, notes when the kernel's backward scales its saved

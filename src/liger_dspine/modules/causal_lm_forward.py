@@ -1,7 +1,8 @@
 """Causal-LM forwards whose loss comes from Liger kernels.
 
 ``lce_forward``: in training with labels (or ``shift_labels``) the loss comes from liger-kernel's fused linear
-cross entropy, which projects the hidden states through ``lm_head`` chunk by chunk and never holds the
+cross entropy (its forward kernels, with a backward that scales the kept gradients on the device: no host
+synchronisation), which projects the hidden states through ``lm_head`` chunk by chunk and never holds the
 [tokens, vocab] logits; ``logits`` is then None. ``skip_logits`` overrides that choice. Otherwise (eval, no
 labels) logits are computed as transformers computes them.
 ``ce_forward``: logits as usual, loss from Liger's cross-entropy kernel (the ``cross_entropy=True`` option).
@@ -11,9 +12,11 @@ liger-kernel's ``lce_forward`` gives: transformers' fields that are not None in 
 slot stays at its index (None when the fused loss skipped them; ``loss, logits = out[:2]`` works), then
 ``token_accuracy`` when the fused path computed it.
 
-Checked before the decoder runs (a ``ValueError`` instead of a device-side assert or an out-of-bounds read in a
-kernel): every label is in ``[0, vocab)`` or ``-100``. This costs one pass over the labels and one device-to-host
-copy of two integers (liger-kernel's fused linear cross entropy synchronises once per call anyway).
+Checked before any kernel reads a label (a ``ValueError`` instead of a device-side assert or an out-of-bounds read
+in a kernel): every label is in ``[0, vocab)`` or ``-100``. On a GPU the range of the labels is reduced and copied
+to the host asynchronously before the decoder runs, and read after the decoder's kernels are queued, just before the
+loss: the host then waits only for that small reduction, queued ahead of the decoder, so the GPU's queue is never
+drained by the check.
 
 Loss: the sum of the token losses divided by ``num_items_in_batch`` when given, else by the number of targets
 that are not ignored; a divisor of 0 counts as 1. Deliberate difference from transformers: when every target is
@@ -154,9 +157,9 @@ def _causal_lm_forward(
         )
     if has_labels:
         if shift_labels is None:
-            labels = _checked_labels(labels, self.lm_head.weight.shape[0])
+            labels, labels_checked = _checked_labels(labels, self.lm_head.weight.shape[0])
         else:
-            shift_labels = _checked_labels(shift_labels, self.lm_head.weight.shape[0])
+            shift_labels, labels_checked = _checked_labels(shift_labels, self.lm_head.weight.shape[0])
     if skip_logits is None:
         skip_logits = fused and self.training and has_labels
     if skip_logits:
@@ -177,6 +180,7 @@ def _causal_lm_forward(
 
     loss = logits = token_accuracy = None
     if has_labels:
+        labels_checked()
         targets = _shifted_targets(labels, shift_labels, hidden_states)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"))
     if skip_logits:
@@ -239,13 +243,41 @@ def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
     return shift_labels.reshape(-1).to(hidden_states.device)
 
 
-def _checked_labels(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``labels`` after :func:`_check_label_range`. Under torch.compile the check is an opaque op returning a copy
-    of the labels (which the loss then reads, so the check stays in the graph), instead of a graph break."""
+def _checked_labels(labels: torch.Tensor, vocab_size: int):
+    """``(labels, finish)``: call ``finish()`` before any kernel reads the labels; it raises what
+    :func:`_check_label_range` raises. On a CUDA device the range check runs on the device and its result is read in
+    ``finish`` (see the module docstring); elsewhere it runs here. Under torch.compile the check is an opaque op
+    returning a copy of the labels (which the loss then reads, so the check stays in the graph), instead of a graph
+    break."""
     if torch.compiler.is_compiling():
-        return _checked_labels_op(labels, vocab_size)
+        return _checked_labels_op(labels, vocab_size), _nothing
+    if labels.is_cuda and labels.numel():
+        return labels, _start_label_range_check(labels, vocab_size)
     _check_label_range(labels, vocab_size)
-    return labels
+    return labels, _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def _start_label_range_check(labels: torch.Tensor, vocab_size: int):
+    """Queue the reduction of the labels' range and its copy to pinned host memory; return the function that waits
+    for that copy (not for the work queued after it) and raises as :func:`_check_label_range` does."""
+    with torch.cuda.device(labels.device):
+        bounds = _label_bounds(labels)
+        on_host = torch.empty(2, dtype=bounds.dtype, pin_memory=True)
+        on_host.copy_(bounds, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+    def finish() -> None:
+        copied.synchronize()
+        low, high = on_host.tolist()
+        if not (low >= 0 and high < vocab_size):
+            _raise_label_range_error(labels, vocab_size)
+
+    return finish
 
 
 @torch.library.custom_op("liger_dspine::checked_labels", mutates_args=())
@@ -263,10 +295,18 @@ def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
     """Raise ValueError if a label is neither in ``[0, vocab_size)`` nor ``IGNORE_INDEX``."""
     if labels.numel() == 0:
         return
+    low, high = _label_bounds(labels).tolist()  # the one host sync
+    if not (low >= 0 and high < vocab_size):
+        _raise_label_range_error(labels, vocab_size)
+
+
+def _label_bounds(labels: torch.Tensor) -> torch.Tensor:
+    """[2]: the smallest and the largest label that is not ``IGNORE_INDEX`` (0 stands in for ignored ones)."""
+    return torch.stack(torch.where(labels != IGNORE_INDEX, labels, 0).aminmax())
+
+
+def _raise_label_range_error(labels: torch.Tensor, vocab_size: int) -> None:
     kept = labels != IGNORE_INDEX
-    low, high = torch.stack(torch.where(kept, labels, 0).aminmax()).tolist()  # the one host sync
-    if low >= 0 and high < vocab_size:
-        return
     bad = labels[kept & ((labels < 0) | (labels >= vocab_size))]
     raise ValueError(
         f"liger-dspine: labels must be in [0, {vocab_size}) (the vocabulary of lm_head) or {IGNORE_INDEX} (ignored); "
@@ -312,32 +352,18 @@ def fused_ce_chunk_mem_const(tokens: int, hidden: int, element_size: int) -> int
 
 
 def _fused_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy
+    from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy_op
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     chunk_mem_const = fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size())
-    if torch.compiler.is_compiling():
-        # the same kernels as one opaque op; its backward scales a copy of the kept gradients (no guard needed)
-        from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy_op
-
-        loss, token_accuracy = liger_fused_linear_cross_entropy_op(
-            flat, weight, targets, IGNORE_INDEX, chunk_mem_const, accum_dtype
-        )
-        return loss / _on(divisor, loss), token_accuracy
-    result = liger_fused_linear_cross_entropy(
-        flat,
-        weight,
-        targets,
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-        return_token_accuracy=True,
-        chunk_mem_const=chunk_mem_const,
-        accum_dtype=accum_dtype,
+    # compiled: one opaque op whose backward scales a copy of the kept gradients; eager: scaled in place
+    fused_loss = (
+        liger_fused_linear_cross_entropy_op if torch.compiler.is_compiling() else liger_fused_linear_cross_entropy
     )
-    guard = SecondPassGuard("liger-kernel's fused linear cross entropy")
-    loss = guard.inner(result.loss)
-    return guard.outer(loss / _on(divisor, loss)), result.token_accuracy
+    loss, token_accuracy = fused_loss(flat, weight, targets, IGNORE_INDEX, chunk_mem_const, accum_dtype)
+    return loss / _on(divisor, loss), token_accuracy
 
 
 def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _BLOCK_R = 1024
 
@@ -74,7 +75,7 @@ def _alignment_torch(features: torch.Tensor, codes: torch.Tensor, eps: float) ->
     return 1.0 - F.cosine_similarity(features.float(), codes.float()[:, None], dim=-1, eps=eps)
 
 
-@torch.library.custom_op("liger_dspine::alignment_cosine", mutates_args=())
+@liger_custom_op("liger_dspine::alignment_cosine", mutates_args=())
 def _alignment_forward(features: torch.Tensor, codes: torch.Tensor, eps: float) -> torch.Tensor:
     """features [M, L, P, r], codes [M, P, r] (contiguous) -> [M, L, P] fp32."""
     rows, layers, proposals, rank = features.shape
@@ -92,7 +93,7 @@ def _(features, codes, eps):
     return torch.empty(features.shape[:-1], dtype=torch.float32, device=features.device)
 
 
-@torch.library.custom_op("liger_dspine::alignment_cosine_backward", mutates_args=())
+@liger_custom_op("liger_dspine::alignment_cosine_backward", mutates_args=())
 def _alignment_backward(
     grad_out: torch.Tensor, features: torch.Tensor, codes: torch.Tensor, eps: float
 ) -> torch.Tensor:

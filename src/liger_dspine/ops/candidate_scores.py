@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _TORCH_BLOCK_BYTES = 128 * 2**20
 # forward: (BLOCK_H, num_warps); backward: (BLOCK_H, BLOCK_H tiles per program (0: the whole row), num_warps)
@@ -114,7 +115,7 @@ def _torch_blocks(rows: int, top_k: int, hidden_size: int):
         yield start, min(start + step, rows)
 
 
-@torch.library.custom_op("liger_dspine::candidate_scores", mutates_args=())
+@liger_custom_op("liger_dspine::candidate_scores", mutates_args=())
 def _candidate_scores(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """scores [N, K] fp32 of rows [N, H], the head [V, H] and ids [N, K] (all contiguous)."""
     rows, top_k = ids.shape
@@ -135,7 +136,7 @@ def _(hidden, weight, ids):
     return torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
 
 
-@torch.library.custom_op("liger_dspine::candidate_scores_backward", mutates_args=())
+@liger_custom_op("liger_dspine::candidate_scores_backward", mutates_args=())
 def _candidate_scores_backward(
     grad_scores: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, hidden_dtype: torch.dtype, use_kernel: bool
 ) -> torch.Tensor:

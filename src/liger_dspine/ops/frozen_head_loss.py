@@ -17,6 +17,7 @@ accumulation costs one GEMM and one pass over the logits per chunk.
 import torch
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
 from liger_dspine.ops.frozen_head_kernels import chunk_passes
@@ -66,7 +67,7 @@ def _project_grads(dz: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) ->
         out.copy_(dz.mm(weight))
 
 
-@torch.library.custom_op("liger_dspine::frozen_head_loss", mutates_args=())
+@liger_custom_op("liger_dspine::frozen_head_loss", mutates_args=())
 def _frozen_head_loss(
     draft_hidden: torch.Tensor,
     head_weight: torch.Tensor,

@@ -29,6 +29,7 @@ Differences from the eager function (both where eager is undefined or arbitrary)
 import torch
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.frozen_head_kernels import IGNORE_INDEX
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
@@ -41,7 +42,7 @@ from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
 __all__ = ["IGNORE_INDEX", "default_chunk_rows", "liger_frozen_head_terms", "LigerFrozenHeadTermsFunction"]
 
 
-@torch.library.custom_op("liger_dspine::frozen_head_terms", mutates_args=())
+@liger_custom_op("liger_dspine::frozen_head_terms", mutates_args=())
 def _frozen_head_terms(
     draft_hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -85,7 +86,7 @@ def _(draft_hidden, head_weight, labels, teacher_hidden, top_k, chunk_rows, dtyp
     return _terms_outputs(results, draft_hidden)
 
 
-@torch.library.custom_op("liger_dspine::frozen_head_terms_backward", mutates_args=())
+@liger_custom_op("liger_dspine::frozen_head_terms_backward", mutates_args=())
 def _frozen_head_terms_backward(
     draft_hidden: torch.Tensor,
     head_weight: torch.Tensor,

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward
@@ -283,7 +284,7 @@ def _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype):
     )
 
 
-@torch.library.custom_op("liger_dspine::grouped_experts", mutates_args=())
+@liger_custom_op("liger_dspine::grouped_experts", mutates_args=())
 def _grouped_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -394,7 +395,7 @@ def _backward_fake(grad_out, hidden_states, top_k_weights, gate_up_proj, down_pr
     )
 
 
-@torch.library.custom_op("liger_dspine::grouped_experts_backward", mutates_args=())
+@liger_custom_op("liger_dspine::grouped_experts_backward", mutates_args=())
 def _grouped_experts_backward(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
@@ -418,7 +419,7 @@ def _grouped_experts_backward(
     return _backward_outputs(grads, hidden_states)
 
 
-@torch.library.custom_op("liger_dspine::grouped_experts_backward_", mutates_args=("gate_up",))
+@liger_custom_op("liger_dspine::grouped_experts_backward_", mutates_args=("gate_up",))
 def _grouped_experts_backward_(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 BLOCK_S = 64
 BLOCK_T = 64
@@ -48,7 +49,7 @@ def _indexer_scores_kernel(
     tl.store(out, acc * scale, mask=row_ok[:, None] & key_ok[None, :])
 
 
-@torch.library.custom_op("liger_dspine::indexer_scores", mutates_args=())
+@liger_custom_op("liger_dspine::indexer_scores", mutates_args=())
 def _indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
     """scores [B, S, T] fp32 of q [B, S, H, D] and k [B, T, D] (unit stride in D) and weights [B, S, H]."""
     batch, seq_len, num_heads, head_dim = q.shape

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _TILE = 4096  # elements of the widest [heads, columns] tile a program handles per step
 _NUM_WARPS = 4
@@ -336,7 +337,7 @@ def _check_constant_angles(cos: torch.Tensor, sin: torch.Tensor) -> None:
 # shapes and strides without launching anything. Each output is a new tensor (empty_strided, not a view).
 
 
-@torch.library.custom_op("liger_dspine::rope_rotate", mutates_args=())
+@liger_custom_op("liger_dspine::rope_rotate", mutates_args=())
 def _rope_rotate(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -373,7 +374,7 @@ def _(x, cos, sin, nope, inverse, out_shape, out_strides, layout):
     return _empty_layout(out_shape, out_strides, x)
 
 
-@torch.library.custom_op("liger_dspine::rope_unrotate_", mutates_args=("x",))
+@liger_custom_op("liger_dspine::rope_unrotate_", mutates_args=("x",))
 def _rope_unrotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, layout: str) -> None:
     """Turn the last R columns of x [B, H, S, nope + R] back by -angle, in place, through a buffer of their size."""
     batch, heads, seq_len, _ = x.shape
@@ -399,7 +400,7 @@ def _(x, cos, sin, nope, layout):
     return None
 
 
-@torch.library.custom_op("liger_dspine::mla_key", mutates_args=())
+@liger_custom_op("liger_dspine::mla_key", mutates_args=())
 def _mla_key(
     kv: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, nope: int, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,7 +435,7 @@ def _mla_key_fake(kv, k_rot, cos, sin, nope, layout):
     return key, value
 
 
-@torch.library.custom_op("liger_dspine::mla_key_backward", mutates_args=())
+@liger_custom_op("liger_dspine::mla_key_backward", mutates_args=())
 def _mla_key_backward(
     grad_key: torch.Tensor,
     grad_value: torch.Tensor,

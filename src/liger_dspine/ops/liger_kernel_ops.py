@@ -11,26 +11,35 @@ their outputs, which are views of 2-D buffers. Here each launch is one opaque op
 - fused linear cross entropy: :class:`LigerFusedLinearCrossEntropyOpFunction`, liger-kernel's forward (which reads
   a count on the host: inside an opaque op that is no graph break) with the gradients formed in the forward and
   scaled by the incoming gradient in a new tensor, so a retained graph gives the same gradient on every backward.
-  The causal-LM forwards use it under ``torch.compile``; eager runs keep liger-kernel's function, whose backward
-  scales the kept gradients in place (no second [V, H] buffer).
+  The causal-LM forwards use it under ``torch.compile``. Eager runs use
+  :class:`LigerFusedLinearCrossEntropyFunction`: the same forward, and a backward that scales the kept gradients in
+  place (no second [V, H] buffer) on the device. liger-kernel's own backward first compares the incoming gradient
+  with 1 on the host, a synchronisation that leaves the GPU idle at the start of every backward until the host has
+  queued the next kernels.
 """
 
 import torch
+import triton
+from liger_kernel.ops.fused_linear_cross_entropy import MAX_FUSED_SIZE
 from liger_kernel.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_forward
 from liger_kernel.ops.rms_norm import _str_to_casting_mode
 from liger_kernel.ops.rms_norm import rms_norm_backward
 from liger_kernel.ops.rms_norm import rms_norm_forward
 from liger_kernel.ops.swiglu import swiglu_backward
 from liger_kernel.ops.swiglu import swiglu_forward
+from liger_kernel.ops.utils import amp_custom_bwd
+from liger_kernel.ops.utils import amp_custom_fwd
 from liger_kernel.ops.utils import calculate_settings
+from liger_kernel.ops.utils import element_mul_kernel
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _FP32_STATS_MODES = ("llama", "gemma")
 
 
 # ---------------------------------------------------------------------------------------------------------- RMSNorm
-@torch.library.custom_op("liger_dspine::rms_norm", mutates_args=())
+@liger_custom_op("liger_dspine::rms_norm", mutates_args=())
 def _rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +54,7 @@ def _(x, weight, eps, offset, casting_mode):
     return torch.empty_like(x), torch.empty(x.shape[:-1].numel(), dtype=rstd_dtype, device=x.device)
 
 
-@torch.library.custom_op("liger_dspine::rms_norm_backward", mutates_args=())
+@liger_custom_op("liger_dspine::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(
     grad_y: torch.Tensor,
     x: torch.Tensor,
@@ -119,7 +128,7 @@ def liger_rms_norm(
 
 
 # ------------------------------------------------------------------------------------------------ SiLU-and-multiply
-@torch.library.custom_op("liger_dspine::silu_mul", mutates_args=())
+@liger_custom_op("liger_dspine::silu_mul", mutates_args=())
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[N, I] contiguous gate and up -> a new [N, I] ``silu(gate) * up`` (liger-kernel's SwiGLU forward kernel)."""
     if gate.shape[0] == 0:
@@ -132,7 +141,7 @@ def _(gate, up):
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op("liger_dspine::silu_mul_backward_", mutates_args=("gate", "up"))
+@liger_custom_op("liger_dspine::silu_mul_backward_", mutates_args=("gate", "up"))
 def silu_mul_backward_(gate: torch.Tensor, up: torch.Tensor, grad_product: torch.Tensor) -> None:
     """Write the gradients of gate and up ([N, I], contiguous) over gate and up (liger-kernel's SwiGLU backward)."""
     if gate.shape[0]:
@@ -145,7 +154,7 @@ def _(gate, up, grad_product):
 
 
 # -------------------------------------------------------------------------------------- fused linear cross entropy
-@torch.library.custom_op("liger_dspine::fused_linear_cross_entropy", mutates_args=())
+@liger_custom_op("liger_dspine::fused_linear_cross_entropy", mutates_args=())
 def _fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -206,6 +215,89 @@ class LigerFusedLinearCrossEntropyOpFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Eager: ``(hidden [T, H], weight [V, H], targets [T], ignore_index, chunk_mem_const, accum_dtype)`` -> ``(loss
+    [] fp32 summed over the rows not ignored, token_accuracy [] fp32 without gradient)``, by liger-kernel's forward
+    (the gradients formed chunk by chunk there); the backward multiplies the kept gradients in place by the incoming
+    gradient (liger-kernel's element-wise kernel, fp32 products), with no host synchronisation.
+
+    A kept gradient can be scaled once: a later backward through the same graph raises, before any gradient is
+    returned, unless every earlier pass had an upstream gradient of exactly 1 (then nothing was scaled). That test
+    reads a device flag on the host, on later passes only."""
+
+    kernel_ops = ()  # liger-kernel's kernels, eager only; torch.compile takes LigerFusedLinearCrossEntropyOpFunction
+
+    @staticmethod
+    @amp_custom_fwd
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_mem_const, accum_dtype=None):
+        loss, _, accuracy, _, grad_hidden, grad_weight, _ = fused_linear_cross_entropy_forward(
+            hidden,
+            weight,
+            targets,
+            ignore_index=ignore_index,
+            reduction="sum",
+            return_token_accuracy=True,
+            chunk_mem_const=chunk_mem_const,
+            accum_dtype=accum_dtype,
+        )
+        ctx.save_for_backward(grad_hidden.detach(), grad_weight.detach() if grad_weight is not None else None)
+        ctx.scaled_flags = []  # one device bool per backward: whether its upstream gradient was other than 1
+        ctx.mark_non_differentiable(accuracy)
+        return loss, accuracy
+
+    @staticmethod
+    @amp_custom_bwd
+    def backward(ctx, grad_loss, _grad_accuracy):
+        if any(bool(flag) for flag in ctx.scaled_flags):
+            raise RuntimeError(
+                "liger-dspine: this loss was already back-propagated once, and liger-kernel's fused linear cross "
+                "entropy rescaled its saved gradient in place then, so another pass through the same graph "
+                "(backward(retain_graph=True) again, or autograd.grad(..., retain_graph=True) followed by backward()) "
+                "would give wrong gradients. Run the forward again for each backward, or patch with "
+                "vocab_chunked_lce=True, whose backward can run any number of times."
+            )
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_loss.detach().to(torch.float32).reshape(1)
+        ctx.scaled_flags.append((scale != 1).any())
+        for kept in (grad_hidden, grad_weight):
+            if kept is not None:
+                _scale_rows_in_place(kept, scale)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _scale_rows_in_place(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``x [R, C] *= scale`` (fp32 [1] on x's device), products in fp32, by liger-kernel's element-wise kernel."""
+    block_size = min(MAX_FUSED_SIZE, triton.next_power_of_2(x.shape[1]))
+    element_mul_kernel[(x.shape[0],)](
+        x, x.stride(0), scale, x.shape[1], BLOCK_SIZE=block_size, X_col_stride=x.stride(1), num_warps=32
+    )
+
+
+def liger_fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_mem_const: int,
+    accum_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager: liger-kernel's fused linear cross entropy (sum reduction, token accuracy) of ``hidden [T, H]``,
+    ``weight [V, H]`` and ``targets [T]``; see :class:`LigerFusedLinearCrossEntropyFunction`."""
+    _check_linear_ce_shapes(hidden, weight)
+    check_kernel_device(hidden, "fused linear cross entropy")
+    return LigerFusedLinearCrossEntropyFunction.apply(
+        hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const), accum_dtype
+    )
+
+
+def _check_linear_ce_shapes(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"liger-dspine: fused linear cross entropy expects hidden [T, H] and weight [V, H], got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+
+
 def liger_fused_linear_cross_entropy_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -216,11 +308,7 @@ def liger_fused_linear_cross_entropy_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """liger-kernel's fused linear cross entropy (sum reduction, token accuracy) of ``hidden [T, H]``,
     ``weight [V, H]`` and ``targets [T]``; see :class:`LigerFusedLinearCrossEntropyOpFunction`."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"liger-dspine: fused linear cross entropy expects hidden [T, H] and weight [V, H], got "
-            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
+    _check_linear_ce_shapes(hidden, weight)
     check_kernel_device(hidden, "fused linear cross entropy")
     return LigerFusedLinearCrossEntropyOpFunction.apply(
         hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const), accum_dtype

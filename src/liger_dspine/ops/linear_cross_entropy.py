@@ -48,6 +48,7 @@ import triton.language as tl
 from packaging.version import Version
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 
 IGNORE_INDEX = -100
@@ -160,7 +161,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bo
         out.copy_(a @ b)
 
 
-@torch.library.custom_op("liger_dspine::vocab_chunked_ce_stats", mutates_args=())
+@liger_custom_op("liger_dspine::vocab_chunked_ce_stats", mutates_args=())
 def _vocab_chunked_ce_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -207,7 +208,7 @@ def _stats_fake(hidden, weight, targets, track_argmax, vocab_chunk, dtype):
     return *fp32, torch.empty(tokens, dtype=torch.int64, device=device)
 
 
-@torch.library.custom_op("liger_dspine::vocab_chunked_ce_backward", mutates_args=())
+@liger_custom_op("liger_dspine::vocab_chunked_ce_backward", mutates_args=())
 def _vocab_chunked_ce_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,

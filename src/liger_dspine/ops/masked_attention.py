@@ -25,6 +25,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.precompile import precompile
 
 
@@ -274,7 +275,7 @@ def _out_like(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(batch, q_len, heads, head_dim)
 
 
-@torch.library.custom_op("liger_dspine::masked_attention", mutates_args=())
+@liger_custom_op("liger_dspine::masked_attention", mutates_args=())
 def _masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -316,7 +317,7 @@ def _backward_arguments(q, k, v, mask, tiles, counts, grad_out, lse, delta, *gra
     return tensors, sizes, _strides(q, k, v, plane, grad_out)
 
 
-@torch.library.custom_op("liger_dspine::masked_attention_backward", mutates_args=())
+@liger_custom_op("liger_dspine::masked_attention_backward", mutates_args=())
 def _masked_attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.mhc_projection import liger_mhc_projection
 from liger_dspine.ops.precompile import precompile
 
@@ -137,7 +138,7 @@ def _sinkhorn_meta(hc: int) -> dict:
     return dict(HC=hc, HP=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T, num_warps=2)
 
 
-@torch.library.custom_op("liger_dspine::mhc_sinkhorn", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_sinkhorn", mutates_args=())
 def _mhc_sinkhorn(
     mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, pre_eps: float, sinkhorn_eps: float,
     post_mult: float, outer: list[int],
@@ -163,7 +164,7 @@ def _(mix, base, scale, iters, pre_eps, sinkhorn_eps, post_mult, outer):
     return _sinkhorn_outputs(mix, outer)
 
 
-@torch.library.custom_op("liger_dspine::mhc_sinkhorn_backward", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_sinkhorn_backward", mutates_args=())
 def _mhc_sinkhorn_backward(
     mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, grad_pre: torch.Tensor, grad_post: torch.Tensor,
     grad_comb: torch.Tensor, iters: int, sinkhorn_eps: float, post_mult: float,

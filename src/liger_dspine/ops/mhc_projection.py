@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.precompile import precompile
 
 BLOCK_ROWS = 32
@@ -84,7 +85,7 @@ def _block_m(num_out: int) -> int:
     return max(32, triton.next_power_of_2(num_out))
 
 
-@torch.library.custom_op("liger_dspine::mhc_projection", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_projection", mutates_args=())
 def _mhc_projection(x: torch.Tensor, fn: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(mix [N, M] fp32, invr [N] fp32) of contiguous x [N, K] and fn [M, K]."""
     num_rows, width = x.shape
@@ -104,7 +105,7 @@ def _(x, fn, eps):
     return x.new_empty(x.shape[0], fn.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("liger_dspine::mhc_projection_backward", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_projection_backward", mutates_args=())
 def _mhc_projection_backward(
     x: torch.Tensor, fn: torch.Tensor, mix: torch.Tensor, invr: torch.Tensor, grad_mix: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.precompile import precompile
 
 BLOCK_T = 4
@@ -151,7 +152,7 @@ def _sizes(x: torch.Tensor) -> tuple[int, int, int]:
     return x.numel() // max(hc * width, 1), hc, width
 
 
-@torch.library.custom_op("liger_dspine::mhc_collapse", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_collapse", mutates_args=())
 def _mhc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """y [..., C] (x's dtype) of contiguous x [..., hc, C] and fp32 pre [..., hc]."""
     rows, hc, width = _sizes(x)
@@ -167,7 +168,7 @@ def _(x, pre):
     return x.new_empty(*x.shape[:-2], x.shape[-1])
 
 
-@torch.library.custom_op("liger_dspine::mhc_collapse_backward", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_collapse_backward", mutates_args=())
 def _mhc_collapse_backward(
     x: torch.Tensor, pre: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +187,7 @@ def _(x, pre, grad_out):
     return torch.empty_like(x), torch.empty_like(pre)
 
 
-@torch.library.custom_op("liger_dspine::mhc_mix", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_mix", mutates_args=())
 def _mhc_mix(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out like x of contiguous x [..., hc, C], f [..., C], fp32 post [..., hc] and comb [..., hc, hc]."""
     rows, hc, width = _sizes(x)
@@ -202,7 +203,7 @@ def _(x, f, post, comb):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("liger_dspine::mhc_mix_backward", mutates_args=())
+@liger_custom_op("liger_dspine::mhc_mix_backward", mutates_args=())
 def _mhc_mix_backward(
     x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

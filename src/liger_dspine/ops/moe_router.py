@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _FORWARD_TILE = 2048  # logits per program in the forward (tokens x padded experts)
 _BACKWARD_TILE = 4096  # gradient entries per program in the backward
@@ -330,7 +331,7 @@ def moe_router_forward(
     )
 
 
-@torch.library.custom_op("liger_dspine::moe_router_select", mutates_args=())
+@liger_custom_op("liger_dspine::moe_router_select", mutates_args=())
 def _moe_router_select(
     router_logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -424,7 +425,7 @@ def moe_router_backward(
     )
 
 
-@torch.library.custom_op("liger_dspine::moe_router_select_backward", mutates_args=())
+@liger_custom_op("liger_dspine::moe_router_select_backward", mutates_args=())
 def _moe_router_select_backward(
     grad_weights: torch.Tensor,
     topk_scores: torch.Tensor,

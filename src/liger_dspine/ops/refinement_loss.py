@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine.ops import candidate_scores
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _BLOCK_ROWS = 64
 
@@ -100,7 +101,7 @@ def _terms_torch(scores, probs, ids, labels, ce_weight: float, mass_threshold: f
     return ref, hit.any(dim=-1), grad
 
 
-@torch.library.custom_op("liger_dspine::refinement_loss", mutates_args=())
+@liger_custom_op("liger_dspine::refinement_loss", mutates_args=())
 def _refinement_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

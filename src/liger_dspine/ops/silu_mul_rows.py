@@ -37,6 +37,7 @@ from triton.language.extra import libdevice
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine._interpreter import is_interpreted
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK = 2048  # columns per step: one step per row at DeepSeek-V3's I = 2048
@@ -188,7 +189,7 @@ def silu_mul_rows(gate_up: torch.Tensor, limit: float | None = None) -> torch.Te
     return _silu_mul_rows(gate_up, limit)
 
 
-@torch.library.custom_op("liger_dspine::silu_mul_rows", mutates_args=())
+@liger_custom_op("liger_dspine::silu_mul_rows", mutates_args=())
 def _silu_mul_rows(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     act = gate_up.new_empty(rows, half)
@@ -268,7 +269,7 @@ def _launch_backward(
         )
 
 
-@torch.library.custom_op("liger_dspine::silu_mul_rows_backward", mutates_args=())
+@liger_custom_op("liger_dspine::silu_mul_rows_backward", mutates_args=())
 def _silu_mul_rows_backward(
     gate_up: torch.Tensor,
     g: torch.Tensor,
@@ -291,7 +292,7 @@ def _(gate_up, g, weight_of_row, row_dot, scaled_act, limit=None):
     )
 
 
-@torch.library.custom_op("liger_dspine::silu_mul_rows_backward_", mutates_args=("gate_up",))
+@liger_custom_op("liger_dspine::silu_mul_rows_backward_", mutates_args=("gate_up",))
 def _silu_mul_rows_backward_(
     gate_up: torch.Tensor,
     g: torch.Tensor,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.precompile import precompile
 
 BLOCK_Q = 16
@@ -345,7 +346,7 @@ def _launch_arguments(q, kv, mask, bias, seq_len, window, scale):
     )
 
 
-@torch.library.custom_op("liger_dspine::sink_attention", mutates_args=())
+@liger_custom_op("liger_dspine::sink_attention", mutates_args=())
 def _sink_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -377,7 +378,7 @@ def _(q, kv, sinks, mask, bias, window, scale):
     )
 
 
-@torch.library.custom_op("liger_dspine::sink_attention_backward", mutates_args=())
+@liger_custom_op("liger_dspine::sink_attention_backward", mutates_args=())
 def _sink_attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
@@ -63,7 +64,7 @@ def slot_sum(
     return _slot_sum(rows, row_of_slot.contiguous(), scale.contiguous() if scale is not None else None, out_dtype)
 
 
-@torch.library.custom_op("liger_dspine::slot_sum", mutates_args=())
+@liger_custom_op("liger_dspine::slot_sum", mutates_args=())
 def _slot_sum(
     rows: torch.Tensor, row_of_slot: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.precompile import precompile
 
 ROWS = 4  # head vectors per program
@@ -110,7 +111,7 @@ def _angle_strides(cos: torch.Tensor) -> tuple[int, int]:
     return (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
 
 
-@torch.library.custom_op("liger_dspine::trailing_rope", mutates_args=())
+@liger_custom_op("liger_dspine::trailing_rope", mutates_args=())
 def _trailing_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +136,7 @@ def _(x, cos, sin, eps, norm):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(rows if norm else 0, dtype=torch.float32)
 
 
-@torch.library.custom_op("liger_dspine::trailing_rope_backward", mutates_args=())
+@liger_custom_op("liger_dspine::trailing_rope_backward", mutates_args=())
 def _trailing_rope_backward(
     grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: bool
 ) -> torch.Tensor:

@@ -310,16 +310,16 @@ def test_token_chunk_budget_at_deepseek_v3_widths():
 def test_accum_dtype_reaches_liger_kernel_and_keeps_the_native_loss(native, lce_tokens, batch, monkeypatch):
     """liger-kernel's ``accum_dtype`` keyword (its mini-model tests pass fp32) is handed to its fused loss, not
     dropped, and the loss and gradients stay native's."""
-    import liger_kernel.transformers.functional as functional
+    from liger_dspine.ops import liger_kernel_ops
 
     seen = []
-    original = functional.liger_fused_linear_cross_entropy
+    original = liger_kernel_ops.fused_linear_cross_entropy_forward
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("accum_dtype"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(functional, "liger_fused_linear_cross_entropy", spy)
+    monkeypatch.setattr(liger_kernel_ops, "fused_linear_cross_entropy_forward", spy)
     monkeypatch.setattr(causal_lm_forward, "FUSED_CE_CHUNK_BYTES", 0)  # several token chunks to sum over
     input_ids, labels = batch
     native_out, native_grads = loss_and_grads(native.train(), input_ids, labels=labels, accum_dtype=torch.float32)
