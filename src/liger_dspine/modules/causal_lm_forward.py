@@ -353,16 +353,13 @@ def fused_ce_chunk_mem_const(tokens: int, hidden: int, element_size: int) -> int
 
 def _fused_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):
     from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy
-    from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy_op
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     chunk_mem_const = fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size())
-    # compiled: one opaque op whose backward scales a copy of the kept gradients; eager: scaled in place
-    fused_loss = (
-        liger_fused_linear_cross_entropy_op if torch.compiler.is_compiling() else liger_fused_linear_cross_entropy
+    loss, token_accuracy = liger_fused_linear_cross_entropy(
+        flat, weight, targets, IGNORE_INDEX, chunk_mem_const, accum_dtype
     )
-    loss, token_accuracy = fused_loss(flat, weight, targets, IGNORE_INDEX, chunk_mem_const, accum_dtype)
     return loss / _on(divisor, loss), token_accuracy
 
 

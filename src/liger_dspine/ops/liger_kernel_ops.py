@@ -225,22 +225,16 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
     returned, unless every earlier pass had an upstream gradient of exactly 1 (then nothing was scaled). That test
     reads a device flag on the host, on later passes only."""
 
-    kernel_ops = ()  # liger-kernel's kernels, eager only; torch.compile takes LigerFusedLinearCrossEntropyOpFunction
+    kernel_ops = ("liger_dspine::fused_linear_cross_entropy",)  # eager only: torch.compile takes the Op Function
 
     @staticmethod
     @amp_custom_fwd
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_mem_const, accum_dtype=None):
-        loss, _, accuracy, _, grad_hidden, grad_weight, _ = fused_linear_cross_entropy_forward(
-            hidden,
-            weight,
-            targets,
-            ignore_index=ignore_index,
-            reduction="sum",
-            return_token_accuracy=True,
-            chunk_mem_const=chunk_mem_const,
-            accum_dtype=accum_dtype,
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        loss, accuracy, grad_hidden, grad_weight = _fused_linear_cross_entropy(
+            hidden, weight, targets, ignore_index, chunk_mem_const, need_hidden, need_weight, accum_dtype
         )
-        ctx.save_for_backward(grad_hidden.detach(), grad_weight.detach() if grad_weight is not None else None)
+        ctx.save_for_backward(grad_hidden, grad_weight if need_weight else None)
         ctx.scaled_flags = []  # one device bool per backward: whether its upstream gradient was other than 1
         ctx.mark_non_differentiable(accuracy)
         return loss, accuracy
@@ -281,35 +275,16 @@ def liger_fused_linear_cross_entropy(
     chunk_mem_const: int,
     accum_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager: liger-kernel's fused linear cross entropy (sum reduction, token accuracy) of ``hidden [T, H]``,
-    ``weight [V, H]`` and ``targets [T]``; see :class:`LigerFusedLinearCrossEntropyFunction`."""
-    _check_linear_ce_shapes(hidden, weight)
-    check_kernel_device(hidden, "fused linear cross entropy")
-    return LigerFusedLinearCrossEntropyFunction.apply(
-        hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const), accum_dtype
-    )
-
-
-def _check_linear_ce_shapes(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """liger-kernel's fused linear cross entropy (sum reduction, token accuracy) of ``hidden [T, H]``,
+    ``weight [V, H]`` and ``targets [T]``: :class:`LigerFusedLinearCrossEntropyFunction` in eager code (the kept
+    gradients scaled in place), :class:`LigerFusedLinearCrossEntropyOpFunction` under torch.compile (one opaque op,
+    scaled into new tensors)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"liger-dspine: fused linear cross entropy expects hidden [T, H] and weight [V, H], got "
             f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
-
-
-def liger_fused_linear_cross_entropy_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    chunk_mem_const: int,
-    accum_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """liger-kernel's fused linear cross entropy (sum reduction, token accuracy) of ``hidden [T, H]``,
-    ``weight [V, H]`` and ``targets [T]``; see :class:`LigerFusedLinearCrossEntropyOpFunction`."""
-    _check_linear_ce_shapes(hidden, weight)
     check_kernel_device(hidden, "fused linear cross entropy")
-    return LigerFusedLinearCrossEntropyOpFunction.apply(
-        hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const), accum_dtype
-    )
+    compiling = torch.compiler.is_compiling()
+    function = LigerFusedLinearCrossEntropyOpFunction if compiling else LigerFusedLinearCrossEntropyFunction
+    return function.apply(hidden, weight, targets.contiguous(), int(ignore_index), int(chunk_mem_const), accum_dtype)
