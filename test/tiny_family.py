@@ -152,6 +152,13 @@ class FamilyCase:
     # what they swap
     apply_options: dict = field(default_factory=dict)
     opt_in: tuple[str, ...] = ()  # the swapped classes that only those options swap
+    swapped_since: dict = field(default_factory=dict)  # swapped classes a default patch replaces from that version
+
+    @property
+    def swapped_here(self) -> tuple[str, ...]:
+        """The swapped names a default patch replaces in the installed transformers."""
+        installed = Version(transformers.__version__)
+        return tuple(n for n in self.swapped if Version(self.swapped_since.get(n, "0")) <= installed)
 
     def lce_forward(self):
         return getattr(importlib.import_module(self.forwards), "lce_forward")
@@ -291,26 +298,25 @@ CASES = {
             forwards="liger_dspine.models.minicpm3.forward",
         ),
         # DSA: the indexer keeps 4 of up to 8 keys per query, so its sparse mask changes the attention; the MLA
-        # attention stays native, the indexer's scores run in the fused kernel
+        # attention takes the Liger forward from transformers 5.24 (latents in the cache), the indexer's scores run
+        # in the fused kernel
         FamilyCase(
             "deepseek_v32",
             "DeepseekV32",
             {**COMMON, **DSA, "first_k_dense_replace": 1},
-            _case("deepseek_v32", "DeepseekV32", {}, mla=False).swapped + ("DeepseekV32Indexer",),
-            mla=False,
+            _case("deepseek_v32", "DeepseekV32", {}).swapped + ("DeepseekV32Indexer",),
             liger_modules=("liger_dspine.models.deepseek_v32.modules", "liger_dspine.models.deepseek_v32.indexer"),
-            native_kept=("DeepseekV32Attention",),
+            swapped_since={"DeepseekV32Attention": "5.24"},
         ),
         # as DeepSeek-V3.2 (interleaved RoPE in the indexer); the second layer reuses the first layer's top-k ("shared"
-        # indexer type)
+        # indexer type), which the attention returns
         FamilyCase(
             "glm_moe_dsa",
             "GlmMoeDsa",
             {**COMMON, **DSA, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "shared"]},
-            _case("glm_moe_dsa", "GlmMoeDsa", {}, mla=False).swapped + ("GlmMoeDsaIndexer",),
-            mla=False,
+            _case("glm_moe_dsa", "GlmMoeDsa", {}).swapped + ("GlmMoeDsaIndexer",),
             liger_modules=("liger_dspine.models.glm_moe_dsa.modules", "liger_dspine.models.glm_moe_dsa.indexer"),
-            native_kept=("GlmMoeDsaAttention",),
+            swapped_since={"GlmMoeDsaAttention": "5.24"},
         ),
         # multimodal: DeepSeek-V3's text model under a vision tower (kept native, GELU MLPs); text-only batches
         FamilyCase(

@@ -140,7 +140,7 @@ def test_instance_patch_converts_every_listed_module(case):
 
     expected = {}
     for name, native in native_types.items():
-        if experts_alias(native.__name__) in case.swapped:
+        if experts_alias(native.__name__) in case.swapped_here:
             expected[name] = liger_type(case, native.__name__)
     assert expected, "the model has modules to replace"
     patched_types = {name: type(m) for name, m in model.named_modules()}
@@ -159,7 +159,7 @@ def expected_targets(case, class_target: str, method_target: str) -> set[str]:
     """Report targets of a default patch: the listed classes and methods this transformers version defines, each
     formatted with its ``name`` and the ``module`` defining it."""
     targets = set()
-    for name in case.swapped:
+    for name in case.swapped_here:
         owner, _, method = name.partition(".")
         for modeling in modelings(case):
             if not method:
@@ -261,9 +261,9 @@ def test_class_patch_builds_the_models_own_modules_and_trains_as_native(case, cl
     patched = case.build()
     patched.load_state_dict(native.state_dict())
     types = {type(m) for m in patched.modules()}
-    native_built = {t for t in types if experts_alias(t.__name__) in case.swapped}
+    native_built = {t for t in types if experts_alias(t.__name__) in case.swapped_here}
     assert not native_built, "a native module was built under the class patch"
-    if case.mla:  # the attention's q/kv norms are built by the model's own __init__, under its own norm swap
+    if f"{case.prefix}Attention" in case.swapped_here:  # its q/kv norms are the model's own, under its norm swap
         attention = case.decoder_of(patched).layers[0].self_attn
         assert type(attention) is liger_type(case, f"{case.prefix}Attention")
         assert type(attention.kv_a_layernorm) is LigerRMSNorm
@@ -309,13 +309,36 @@ def test_gqa_models_refuse_rope(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
-def test_dsa_models_refuse_rope(model_type):
+def test_dsa_attention_takes_the_liger_forward_where_the_latents_are_cached(model_type):
+    """transformers 5.24 caches the DSA attention's latents: the default patch swaps it. Earlier versions cache the
+    expanded key and value: the default leaves it native and rope=True is refused by name."""
+    case = CASES[model_type]
+    case.modeling_or_skip()
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
-    with pytest.raises(
-        ValueError, match=f"liger-dspine: the {model_type} patch leaves its MLA attention with the DSA indexer native"
-    ):
-        apply(rope=True)
-    assert inspect.signature(apply).parameters["rope"].default is False
+    assert inspect.signature(apply).parameters["rope"].default is None
+    model = case.build()
+    if f"{case.prefix}Attention" in case.swapped_here:
+        apply(model=model, rope=True)
+        assert type(case.decoder_of(model).layers[0].self_attn) is liger_type(case, f"{case.prefix}Attention")
+        return
+    with pytest.raises(ValueError, match=f"liger-dspine: the {model_type} patch leaves its MLA attention with the DSA"):
+        apply(model=model, rope=True)
+    apply(model=model)
+    assert type(case.decoder_of(model).layers[0].self_attn).__module__.startswith("transformers.")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_greedy_generation_with_the_cache_matches_native(model_type):
+    case = CASES[model_type]
+    case.modeling_or_skip()
+    if f"{case.prefix}Attention" not in case.swapped_here:
+        pytest.skip("this transformers keeps the DSA attention native")
+    native = case.build().eval()
+    patched = copy.deepcopy(native)
+    case.apply_fn()(model=patched)
+    input_ids = torch.randint(0, case.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    expected = native.generate(input_ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(patched.generate(input_ids, max_new_tokens=5, do_sample=False), expected)
 
 
 def test_a_model_missing_from_transformers_is_named():
@@ -334,7 +357,7 @@ def test_auto_model_patches_the_classes_then_builds(case, class_level):
     )
     types = {type(m) for m in model.modules()}
     assert any(issubclass(t, LigerRMSNorm) for t in types) and LigerSwiGLUMLP in types
-    assert not {t for t in types if t.__name__ in case.swapped}
+    assert not {t for t in types if t.__name__ in case.swapped_here}
     assert type(model).forward is getattr(class_level, case.causal_lm_name).forward  # the loss stays native
     assert type(model).forward.__module__ == class_level.__name__
 

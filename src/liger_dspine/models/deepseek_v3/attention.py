@@ -17,9 +17,10 @@ With ``config.rope_interleave`` it replaces, per layer:
 
 Without ``rope_interleave`` (or with cos/sin that require a gradient) it runs the native forward.
 
-Other models of the family differ in three places, each a method a model's class overrides:
+Other models of the family differ in a few places, each a method a model's class overrides:
 ``_liger_rope_layout`` (the RoPE layout of :mod:`liger_dspine.ops.interleaved_rope`, or None for the native forward),
-``_liger_angles`` (cos / sin from the position embeddings) and ``_liger_query_scale`` (a factor of the query).
+``_liger_angles`` (cos / sin from the position embeddings), ``_liger_query_scale`` (a factor of the query), and for
+DSA models (``models/deepseek_v3/dsa_attention.py``) ``_liger_select_keys`` and ``_liger_outputs``.
 
 transformers versions: before 5.17 the cache holds the expanded key and value (and flash attention pads the value
 to the key width); from 5.17 it holds the compressed latents and ``expand_kv`` runs after the cache. Both are
@@ -56,9 +57,11 @@ class LigerMLAAttention:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if any(base is not LigerMLAAttention and issubclass(base, LigerMLAAttention) for base in cls.__bases__):
+        if any(hasattr(base, "modeling") for base in cls.__bases__):
             return  # a subclass of a Liger class inherits what its parent read
-        native = next(base for base in cls.__mro__[1:] if base.__module__.startswith("transformers."))
+        native = next((base for base in cls.__mro__[1:] if base.__module__.startswith("transformers.")), None)
+        if native is None:
+            return  # a mixin refining this one (DSA); its Liger<Native> classes read their native class
         params = inspect.signature(native.forward).parameters
         cls.native_cache_arg = "cache" if "cache" in params else "past_key_values"
         cls.cache_update_takes_kwargs = cls.native_cache_arg == "cache"
@@ -111,6 +114,9 @@ class LigerMLAAttention:
             # The cache takes the turned rope key and returns every position's latents (outside any recompute).
             kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs, layout)
             key_angles = (None, None)
+        attention_mask, kwargs, selected = self._liger_select_keys(
+            hidden_states, q_latent, position_embeddings, attention_mask, cache, kwargs, k_rot.shape[-2]
+        )
 
         def core(q_latent, kv_nope, k_rot, q_weight=None, kv_weight=None):
             return self._liger_attention_core(
@@ -124,13 +130,23 @@ class LigerMLAAttention:
         if torch.is_grad_enabled() and self._liger_head_groups_apply():
             group = self._liger_heads_per_group(q_latent)
             if self.recompute_core or group < self.num_heads:
-                return self._liger_head_grouped(q_latent, kv_nope, k_rot, core, group), None
+                attn_output = self._liger_head_grouped(q_latent, kv_nope, k_rot, core, group)
+                return self._liger_outputs(attn_output, None, selected)
         if self.recompute_core and recomputable and torch.is_grad_enabled():
             attn_output, attn_weights = checkpoint(core, q_latent, kv_nope, k_rot, use_reentrant=False)
         else:
             attn_output, attn_weights = core(q_latent, kv_nope, k_rot)
         attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
         attn_output = self.o_proj(attn_output)
+        return self._liger_outputs(attn_output, attn_weights, selected)
+
+    def _liger_select_keys(self, hidden_states, q_latent, position_embeddings, attention_mask, cache, kwargs, length):
+        """``(attention_mask, kwargs, selection)`` for the attention over ``length`` keys (the cache's included),
+        after the cache update: a model whose keys are selected per query (DSA) folds that into the mask here."""
+        return attention_mask, kwargs, None
+
+    def _liger_outputs(self, attn_output, attn_weights, selection) -> tuple:
+        """What the forward returns: the native forward's outputs (``selection`` from :meth:`_liger_select_keys`)."""
         return attn_output, attn_weights
 
     def _liger_rope_layout(self) -> str | None:

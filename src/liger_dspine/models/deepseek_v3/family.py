@@ -7,6 +7,9 @@ the model's own native class and the Liger forward (``class LigerGlm4MoeLiteAtte
 Glm4MoeLiteAttention)``), so that their ``__init__`` builds the model's own submodules, which its own swaps replace.
 """
 
+import importlib
+import inspect
+
 from liger_dspine.patching import ClassSwap
 from liger_dspine.patching import MethodSwap
 from liger_dspine.patching import ModuleCheck
@@ -128,9 +131,31 @@ def refuse_rope(
     raise ValueError(f"liger-dspine: the {model_type} patch leaves its {attention} native ({reason}); pass rope=False")
 
 
-def refuse_dsa_rope(model_type: str) -> None:
-    refuse_rope(
-        model_type,
-        "MLA attention with the DSA indexer",
-        "the shared Liger MLA forward does not apply the indexer's sparse top-k mask",
+def dsa_rope(model_type: str, rope: bool | None, modeling: str, attention: str) -> bool:
+    """Whether the DSA model's MLA attention takes the Liger forward (``models/deepseek_v3/dsa_attention.py``).
+
+    ``rope`` None: where the installed transformers' DSA attention caches the compressed latents (transformers 5.24
+    and later: the forward takes ``cache`` and the class has ``expand_kv``); True: required there, a ValueError
+    before (those versions cache the expanded key and value, or build the sparse mask another way); False: native.
+    """
+    fits = dsa_attention_takes_liger_forward(modeling, attention)
+    if rope is None:
+        return fits
+    if rope and not fits:
+        refuse_rope(
+            model_type,
+            "MLA attention with the DSA indexer",
+            "the installed transformers' DSA attention does not cache the compressed latents, which the Liger MLA "
+            "forward needs: transformers 5.24 or later",
+        )
+    return bool(rope)
+
+
+def dsa_attention_takes_liger_forward(modeling: str, attention: str) -> bool:
+    try:
+        native = getattr(importlib.import_module(modeling), attention, None)
+    except ImportError:
+        return False
+    return (
+        native is not None and hasattr(native, "expand_kv") and "cache" in inspect.signature(native.forward).parameters
     )

@@ -1,12 +1,12 @@
 from liger_dspine import patching
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
-from liger_dspine.models.deepseek_v3.family import refuse_dsa_rope
+from liger_dspine.models.deepseek_v3.family import dsa_rope
 from liger_dspine.models.deepseek_v32.spec import DEEPSEEK_V32_SPEC
 
 
 def apply_liger_kernel_to_deepseek_v32(
-    rope: bool = False,
+    rope: bool | None = None,
     cross_entropy: bool = False,
     fused_linear_cross_entropy: bool = True,
     rms_norm: bool = True,
@@ -18,6 +18,7 @@ def apply_liger_kernel_to_deepseek_v32(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     indexer: bool = True,
+    recompute_attention: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of DeepSeek-V3.2 (``deepseek_v32``) for Liger kernels; liger-kernel's parameter order.
 
@@ -29,16 +30,18 @@ def apply_liger_kernel_to_deepseek_v32(
     ``indexer`` (keyword-only): ``DeepseekV32Indexer`` -> ``LigerDeepseekV32Indexer``, the DSA indexer's scores in
     one fused kernel without the fp32 [B, S, index heads, T] tensor; its projections, RoPE, mask and top-k as native.
 
-    Its MLA attention stays native (see ``models/deepseek_v32/spec.py``), so ``rope``, kept for liger-kernel's
-    parameter order, must be False.
+    ``rope``: ``DeepseekV32Attention`` (MLA with the DSA key selection) -> ``LigerDeepseekV32Attention``, the
+    query and key assembly with the interleaved RoPE in the Liger kernels, its indexer and sparse mask as the native
+    forward's. It needs transformers 5.24 or later (earlier versions cache the expanded key and value): None (the
+    default) takes it there and leaves the attention native before; True asks for it (a ValueError before 5.24);
+    False leaves it native. ``recompute_attention`` (keyword-only): ``LigerDeepseekV32RecomputeAttention``, which keeps
+    only the latents for backward.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
     """
-    if rope:
-        refuse_dsa_rope("deepseek_v32")
     options = v3_options(
-        rope=rope,
+        rope=dsa_rope("deepseek_v32", rope, DEEPSEEK_V32_SPEC.module, "DeepseekV32Attention"),
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
         rms_norm=rms_norm,
@@ -47,6 +50,7 @@ def apply_liger_kernel_to_deepseek_v32(
         fused_experts=fused_experts,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
+        recompute_attention=recompute_attention,
     )
     options.update(indexer=indexer)
     return apply_spec(DEEPSEEK_V32_SPEC, options, model)

@@ -1,12 +1,12 @@
 from liger_dspine import patching
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
-from liger_dspine.models.deepseek_v3.family import refuse_dsa_rope
+from liger_dspine.models.deepseek_v3.family import dsa_rope
 from liger_dspine.models.glm_moe_dsa.spec import GLM_MOE_DSA_SPEC
 
 
 def apply_liger_kernel_to_glm_moe_dsa(
-    rope: bool = False,
+    rope: bool | None = None,
     cross_entropy: bool = False,
     fused_linear_cross_entropy: bool = True,
     rms_norm: bool = True,
@@ -18,6 +18,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     indexer: bool = True,
+    recompute_attention: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of GLM-5.x (``glm_moe_dsa``) for Liger kernels; liger-kernel's parameter order.
 
@@ -30,16 +31,18 @@ def apply_liger_kernel_to_glm_moe_dsa(
     fused kernel without the fp32 [B, S, index heads, T] tensor; its projections, RoPE, mask and top-k as native
     (transformers before 5.17, whose indexer keeps its own key cache, run the native one).
 
-    Its MLA attention stays native (see ``models/glm_moe_dsa/spec.py``), so ``rope``, kept for liger-kernel's
-    parameter order, must be False.
+    ``rope``: ``GlmMoeDsaAttention`` (MLA with the DSA key selection) -> ``LigerGlmMoeDsaAttention``, the
+    query and key assembly with the interleaved RoPE in the Liger kernels, its indexer and sparse mask as the native
+    forward's. It needs transformers 5.24 or later (earlier versions cache the expanded key and value): None (the
+    default) takes it there and leaves the attention native before; True asks for it (a ValueError before 5.24);
+    False leaves it native. ``recompute_attention`` (keyword-only): ``LigerGlmMoeDsaRecomputeAttention``, which keeps
+    only the latents for backward.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
     """
-    if rope:
-        refuse_dsa_rope("glm_moe_dsa")
     options = v3_options(
-        rope=rope,
+        rope=dsa_rope("glm_moe_dsa", rope, GLM_MOE_DSA_SPEC.module, "GlmMoeDsaAttention"),
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
         rms_norm=rms_norm,
@@ -48,6 +51,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
         fused_experts=fused_experts,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
+        recompute_attention=recompute_attention,
     )
     options.update(indexer=indexer)
     return apply_spec(GLM_MOE_DSA_SPEC, options, model)

@@ -1,11 +1,11 @@
-"""What the glm_moe_dsa patch (GLM-5.x) replaces: DeepSeek-V3's swaps on the copies of its classes, but the attention.
+"""What the glm_moe_dsa patch (GLM-5.x) replaces: DeepSeek-V3's swaps on the copies of its classes.
 
-RMSNorm (the q / kv latent norms included), the SwiGLU MLPs and shared experts, the batched routed experts, the router
-and the causal LM's loss; and (``indexer``) the DSA indexer's scores, in one fused kernel instead of transformers' fp32
-[B, S, index heads, T] tensor. The MLA attention stays native: the indexer's top-k indices become a sparse mask folded
-into the attention mask, which the shared Liger MLA forward (``models/deepseek_v3/attention.py``) does not apply. A
-layer of indexer type ``"shared"`` reuses the previous layer's top-k indices, and the attention returns them as a third
-value (the shared forward returns two). The indexer's ``k_norm`` is an ``nn.LayerNorm`` and stays native.
+RMSNorm (the q / kv latent norms included), the SwiGLU MLPs and shared experts, the batched routed experts, the router,
+the MLA attention (``rope`` / ``recompute_attention``: the Liger MLA forward with the DSA key selection,
+``models/deepseek_v3/dsa_attention.py``, transformers 5.24 and later; a layer of indexer type ``"shared"`` reuses the
+previous layer's top-k indices, and the attention returns them as a third value) and the causal LM's loss; and
+(``indexer``) the DSA indexer's scores, in one fused kernel instead of transformers' fp32 [B, S, index heads, T]
+tensor. The indexer's ``k_norm`` is an ``nn.LayerNorm`` and stays native.
 """
 
 import dataclasses
@@ -20,7 +20,7 @@ _V3_LIKE = v3_like_spec(
     "glm_moe_dsa",
     MODELING,
     "GlmMoeDsa",
-    mla_classes=None,
+    mla_classes="liger_dspine.models.glm_moe_dsa.modules",
     router_classes="liger_dspine.models.glm_moe_dsa.modules",
 )
 GLM_MOE_DSA_SPEC = dataclasses.replace(
