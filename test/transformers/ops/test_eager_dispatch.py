@@ -95,6 +95,13 @@ def test_a_tensor_needing_a_gradient_goes_through_the_op():
         scaled_copy(x, 2.0).sum().backward()
 
 
+def test_jit_trace_records_the_op():
+    traced = torch.jit.trace(lambda x: scaled_copy(x, 2.0), torch.randn(3))
+    assert "liger_dspine_test::scaled_copy" in str(traced.graph)
+    x = torch.randn(3)
+    assert torch.equal(traced(x), x * 2.0)
+
+
 def test_mutated_arguments_must_be_named():
     with pytest.raises(ValueError, match="must name the arguments"):
         liger_custom_op("liger_dspine_test::bad", mutates_args="unknown")
