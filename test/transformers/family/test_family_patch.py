@@ -263,7 +263,7 @@ def test_class_patch_builds_the_models_own_modules_and_trains_as_native(case, cl
     types = {type(m) for m in patched.modules()}
     native_built = {t for t in types if experts_alias(t.__name__) in case.swapped_here}
     assert not native_built, "a native module was built under the class patch"
-    if f"{case.prefix}Attention" in case.swapped_here:  # its q/kv norms are the model's own, under its norm swap
+    if case.mla and f"{case.prefix}Attention" in case.swapped_here:  # q/kv norms: the model's own, under its swap
         attention = case.decoder_of(patched).layers[0].self_attn
         assert type(attention) is liger_type(case, f"{case.prefix}Attention")
         assert type(attention.kv_a_layernorm) is LigerRMSNorm
