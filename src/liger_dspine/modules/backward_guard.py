@@ -2,7 +2,7 @@
 
 liger-kernel's cross-entropy kernel computes the input gradient in the forward and keeps it; its backward multiplies
 it *in place* by the incoming gradient when that is not exactly 1 (the fused linear cross entropy's eager Function,
-``ops/liger_kernel_ops.py``, carries the same check itself). A second pass
+``ops/liger_kernel_ops.py``, keeps the same ``ScaledOnce`` state, ``ops/second_pass.py``, itself). A second pass
 through the same graph (``backward(retain_graph=True)`` twice, or ``torch.autograd.grad(..., retain_graph=True)``
 then ``backward()``) would scale it again and give wrong gradients with no error. Two identity nodes around such a
 loss turn that into an error: the inner one, on the kernel's loss, notes when the kernel's backward scales its saved
@@ -14,14 +14,7 @@ backward waits for nothing.
 
 import torch
 
-
-class _GuardState:
-    def __init__(self, what: str):
-        self.what = what
-        self.scaled_flags = []  # one device bool per pass: whether its upstream gradient was other than 1
-
-    def scaled(self) -> bool:
-        return any(bool(flag) for flag in self.scaled_flags)
+from liger_dspine.ops.second_pass import ScaledOnce
 
 
 class _GuardFunction(torch.autograd.Function):
@@ -41,7 +34,7 @@ class _NoteScaledFunction(_GuardFunction):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.state.scaled_flags.append((grad != 1).any())
+        ctx.state.note(grad)
         return grad, None
 
 
@@ -50,14 +43,7 @@ class _RefuseAfterScaledFunction(_GuardFunction):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.state.scaled():
-            raise RuntimeError(
-                f"liger-dspine: this loss was already back-propagated once, and {ctx.state.what} rescaled its saved "
-                "gradient in place then, so another pass through the same graph (backward(retain_graph=True) again, "
-                "or autograd.grad(..., retain_graph=True) followed by backward()) would give wrong gradients. Run the "
-                "forward again for each backward, or patch with vocab_chunked_lce=True, whose backward can run any "
-                "number of times."
-            )
+        ctx.state.refuse_if_scaled()
         return grad, None
 
 
@@ -65,7 +51,7 @@ class SecondPassGuard:
     """``inner`` wraps the kernel's loss, ``outer`` the loss returned to the caller (computed from the inner one)."""
 
     def __init__(self, what: str):
-        self._state = _GuardState(what)
+        self._state = ScaledOnce(what)
 
     def inner(self, loss: torch.Tensor) -> torch.Tensor:
         return _NoteScaledFunction.apply(loss, self._state) if loss.requires_grad else loss

@@ -34,6 +34,7 @@ from liger_kernel.ops.utils import element_mul_kernel
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.second_pass import ScaledOnce
 
 _FP32_STATS_MODES = ("llama", "gemma")
 
@@ -235,24 +236,17 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             hidden, weight, targets, ignore_index, chunk_mem_const, need_hidden, need_weight, accum_dtype
         )
         ctx.save_for_backward(grad_hidden, grad_weight if need_weight else None)
-        ctx.scaled_flags = []  # one device bool per backward: whether its upstream gradient was other than 1
+        ctx.second_pass = ScaledOnce("liger-kernel's fused linear cross entropy")
         ctx.mark_non_differentiable(accuracy)
         return loss, accuracy
 
     @staticmethod
     @amp_custom_bwd
     def backward(ctx, grad_loss, _grad_accuracy):
-        if any(bool(flag) for flag in ctx.scaled_flags):
-            raise RuntimeError(
-                "liger-dspine: this loss was already back-propagated once, and liger-kernel's fused linear cross "
-                "entropy rescaled its saved gradient in place then, so another pass through the same graph "
-                "(backward(retain_graph=True) again, or autograd.grad(..., retain_graph=True) followed by backward()) "
-                "would give wrong gradients. Run the forward again for each backward, or patch with "
-                "vocab_chunked_lce=True, whose backward can run any number of times."
-            )
+        ctx.second_pass.refuse_if_scaled()
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.detach().to(torch.float32).reshape(1)
-        ctx.scaled_flags.append((scale != 1).any())
+        ctx.second_pass.note(scale)
         for kept in (grad_hidden, grad_weight):
             if kept is not None:
                 _scale_rows_in_place(kept, scale)

@@ -22,10 +22,16 @@ class LigerDSAAttention(LigerMLAAttention):
 
     returns_indices = False  # GLM-5's attention returns (output, weights, top-k indices)
 
+    @classmethod
+    def liger_forward_fits(cls) -> bool:
+        """Whether the native class caches the compressed latents (transformers 5.24, whose forward takes ``cache``);
+        before, it caches the expanded key and value (5.17) or builds the mask another way (5.8.1)."""
+        return cls.latent_cache and cls.native_cache_arg == "cache"
+
     def _liger_rope_layout(self) -> str | None:
-        """Interleaved, as the native forward always turns it; None (the native forward) where the installed
-        transformers caches the expanded key and value (before 5.24, whose forward takes ``past_key_values``)."""
-        return "interleaved" if self.latent_cache and self.native_cache_arg == "cache" else None
+        """Interleaved, as the native forward always turns it; None (the native forward) where the Liger forward does
+        not fit the installed transformers."""
+        return "interleaved" if self.liger_forward_fits() else None
 
     def _liger_select_keys(self, hidden_states, q_latent, position_embeddings, attention_mask, cache, kwargs, length):
         kwargs = dict(kwargs)

@@ -8,7 +8,6 @@ Glm4MoeLiteAttention)``), so that their ``__init__`` builds the model's own subm
 """
 
 import importlib
-import inspect
 
 from liger_dspine.patching import ClassSwap
 from liger_dspine.patching import MethodSwap
@@ -131,19 +130,20 @@ def refuse_rope(
     raise ValueError(f"liger-dspine: the {model_type} patch leaves its {attention} native ({reason}); pass rope=False")
 
 
-def dsa_rope(model_type: str, rope: bool | None, modeling: str, attention: str) -> bool:
-    """Whether the DSA model's MLA attention takes the Liger forward (``models/deepseek_v3/dsa_attention.py``).
+def dsa_rope(spec: PatchSpec, rope: bool | None) -> bool:
+    """Whether the DSA model's MLA attention takes the Liger forward (its ``rope`` swap's class, a
+    :class:`~liger_dspine.models.deepseek_v3.dsa_attention.LigerDSAAttention`).
 
-    ``rope`` None: where the installed transformers' DSA attention caches the compressed latents (transformers 5.24
-    and later: the forward takes ``cache`` and the class has ``expand_kv``); True: required there, a ValueError
-    before (those versions cache the expanded key and value, or build the sparse mask another way); False: native.
+    ``rope`` None: where that class fits the installed transformers (5.24 and later, whose DSA attention caches the
+    compressed latents); True: required there, a ValueError before (those versions cache the expanded key and value,
+    or build the sparse mask another way); False: native.
     """
-    fits = dsa_attention_takes_liger_forward(modeling, attention)
+    fits = _rope_swap_fits(spec)
     if rope is None:
         return fits
     if rope and not fits:
         refuse_rope(
-            model_type,
+            spec.model_type,
             "MLA attention with the DSA indexer",
             "the installed transformers' DSA attention does not cache the compressed latents, which the Liger MLA "
             "forward needs: transformers 5.24 or later",
@@ -151,11 +151,10 @@ def dsa_rope(model_type: str, rope: bool | None, modeling: str, attention: str) 
     return bool(rope)
 
 
-def dsa_attention_takes_liger_forward(modeling: str, attention: str) -> bool:
+def _rope_swap_fits(spec: PatchSpec) -> bool:
+    module, _, name = next(s.replacement for s in spec.swaps if s.option == "rope").partition(":")
     try:
-        native = getattr(importlib.import_module(modeling), attention, None)
-    except ImportError:
+        liger_class = getattr(importlib.import_module(module), name)
+    except ImportError:  # transformers lacks the model: the patch names that itself
         return False
-    return (
-        native is not None and hasattr(native, "expand_kv") and "cache" in inspect.signature(native.forward).parameters
-    )
+    return liger_class.liger_forward_fits()

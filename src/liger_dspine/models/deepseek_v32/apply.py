@@ -41,7 +41,7 @@ def apply_liger_kernel_to_deepseek_v32(
         A ``PatchReport`` listing what was replaced, old -> new.
     """
     options = v3_options(
-        rope=dsa_rope("deepseek_v32", rope, DEEPSEEK_V32_SPEC.module, "DeepseekV32Attention"),
+        rope=dsa_rope(DEEPSEEK_V32_SPEC, rope),
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
         rms_norm=rms_norm,

@@ -42,7 +42,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
         A ``PatchReport`` listing what was replaced, old -> new.
     """
     options = v3_options(
-        rope=dsa_rope("glm_moe_dsa", rope, GLM_MOE_DSA_SPEC.module, "GlmMoeDsaAttention"),
+        rope=dsa_rope(GLM_MOE_DSA_SPEC, rope),
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
         rms_norm=rms_norm,
