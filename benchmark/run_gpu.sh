@@ -25,7 +25,8 @@
 #   PYTEST_ARGS    extra arguments of pytest (split on spaces)
 #   PROFILE_MODEL / PROFILE_IMPLS / PROFILE_OPTIONS  profile-family's model (deepseek_v2), implementations
 #                  ("hf liger-dspine") and liger-dspine options (JSON; hf ignores them)
-#   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"
+#   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"; convergence
+#                  runs "bf16 and (PYTEST_K)"
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -71,13 +72,14 @@ for name in ("torch", "transformers", "huggingface-hub", "triton", "liger-kernel
 print("cuda device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 EOF
 
-run_pytest() {  # run_pytest LOGNAME ARGS...
-  local log=$1 limit
-  shift
+run_pytest() {  # run_pytest LOGNAME K_EXPRESSION ARGS...; the expression is and-ed with $PYTEST_K
+  local log=$1 k=$2 limit
+  shift 2
+  if [[ -n ${PYTEST_K:-} ]]; then k="${k:+$k and }($PYTEST_K)"; fi
   limit=$(left)
   limit=$((limit - 5 < TEST_TIMEOUT ? limit - 5 : TEST_TIMEOUT))
   LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 "$limit" $PYTHON -m pytest -q -p no:cacheprovider "$@" ${PYTEST_ARGS:-} \
-    ${PYTEST_K:+-k "$PYTEST_K"} \
+    ${k:+-k "$k"} \
     2>&1 | tee "$OUT/$log"
   return "${PIPESTATUS[0]}"
 }
@@ -101,8 +103,8 @@ for step in "$@"; do
   fi
   echo "=== $step ($(left) s left)"
   case $step in
-    tests) run_pytest tests.log test -m cuda --ignore=test/convergence ;;
-    convergence) run_pytest convergence.log test/convergence -k bf16 ;;
+    tests) run_pytest tests.log "" test -m cuda --ignore=test/convergence ;;
+    convergence) run_pytest convergence.log bf16 test/convergence ;;
     bench-quick) run_bench --suite quick ;;
     # native and liger-dspine, eager and torch.compile, at 2 layers / 4096 (bench_compile.py)
     bench-compile) BENCH_SCRIPT=benchmark/bench_compile.py run_bench ;;
