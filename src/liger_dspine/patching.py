@@ -112,6 +112,9 @@ class PatchReport:
 
 # (module name, attribute path) -> the original object found there before the first class-level swap.
 _ORIGINALS: dict[tuple[str, str], object] = {}
+# (module name, attribute path) -> the model types whose class-level patch holds the swap there. Two patches may
+# share a class (kimi_k25's text model is DeepSeek-V3's classes): reverting one keeps what the other still holds.
+_HOLDERS: dict[tuple[str, str], set[str]] = {}
 
 
 def load_object(path: str):
@@ -204,8 +207,43 @@ def _original(module, name: str):
     return _ORIGINALS.get((module.__name__, name), getattr(module, name))
 
 
+def _swap_holder(spec: PatchSpec, swap):
+    """The object whose attribute a class-level swap rebinds, and that attribute, per target key."""
+    module = importlib.import_module(swap.module or spec.module)
+    if isinstance(swap, ClassSwap):
+        return [((module.__name__, name), module, name) for name in swap.names]
+    owner = getattr(module, swap.owner, None)
+    return [((module.__name__, f"{swap.owner}.{swap.method}"), owner, swap.method)]
+
+
+def _check_shared_targets(spec: PatchSpec, options: dict[str, bool]) -> None:
+    """Refuse, before anything changes, a class-level call that would undo or replace a swap another model type's
+    class-level patch holds on a class both patches share."""
+    enabled = set(map(id, _enabled_swaps(spec, options)))
+    for swap in spec.swaps:
+        for key, holder, attribute in _swap_holder(spec, swap):
+            others = sorted(_HOLDERS.get(key, set()) - {spec.model_type})
+            if not others or holder is None:
+                continue
+            new = load_object(swap.replacement)
+            current = vars(holder).get(attribute)
+            on = id(swap) in enabled
+            if current is new and on:
+                continue
+            if current is not new and not on:
+                continue
+            action = "replace it by " + qualified_name(new) if on else f"undo it ({swap.option}=False)"
+            raise ValueError(
+                f"liger-dspine: {key[0]}.{key[1]} is {qualified_name(current)} through the class-level "
+                f"{', '.join(others)} patch, which shares it with {spec.model_type}; this call would {action}. "
+                f"Give both patches the same {swap.option!r}, or revert the {', '.join(others)} patch first; "
+                "nothing was patched"
+            )
+
+
 def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
     check_single_swap_per_target(spec, options)
+    _check_shared_targets(spec, options)
     report = PatchReport(spec.model_type, "class")
     for swap in _disabled_swaps(spec, options):
         _undo_class_swap(spec, swap, report)
@@ -227,6 +265,7 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
             target = f"{module.__name__}.{name}"
         current = vars(holder).get(attribute)
         key = (module.__name__, name)
+        _HOLDERS.setdefault(key, set()).add(spec.model_type)
         if current is new:
             report.replacements.append(
                 Replacement(target, qualified_name(_ORIGINALS[key]), qualified_name(new), None, True)
@@ -251,6 +290,7 @@ def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
         new = load_object(swap.replacement)
         if vars(holder).get(attribute) is not new:
             continue  # another swap of the same target holds it now
+        _HOLDERS.pop(key, None)
         original = _ORIGINALS.pop(key)
         setattr(holder, attribute, original)
         report.replacements.append(
@@ -259,7 +299,8 @@ def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
 
 
 def revert_class_level(spec: PatchSpec) -> list[str]:
-    """Put back every original a class-level apply of ``spec`` replaced; returns the restored targets."""
+    """Put back every original a class-level apply of ``spec`` replaced, except what another model type's
+    class-level patch still holds; returns the restored targets."""
     restored = []
     for swap in spec.swaps:
         module_name = swap.module or spec.module
@@ -270,6 +311,11 @@ def revert_class_level(spec: PatchSpec) -> list[str]:
         for key in keys:
             if key not in _ORIGINALS:
                 continue
+            holders = _HOLDERS.get(key, set())
+            holders.discard(spec.model_type)
+            if holders:
+                continue  # another patch applied this swap too and still holds it
+            _HOLDERS.pop(key, None)
             original = _ORIGINALS.pop(key)
             module = importlib.import_module(key[0])
             if isinstance(swap, ClassSwap):
@@ -287,11 +333,12 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
         expected = " or ".join(base.__name__ for base in bases)
         raise TypeError(
             f"liger-dspine: the {spec.model_type} patch needs a {expected} (or a subclass) as `model`, "
-            f"got {type(model).__name__}"
+            f"got {type(model).__name__}{_wrapper_hint(model)}"
         )
     check_single_swap_per_target(spec, options)
     check_modules(spec, model)
     _check_convertible(spec, options, model)
+    _check_undoable(spec, options, model)
     report = PatchReport(spec.model_type, "instance")
     for swap in _disabled_swaps(spec, options):
         _undo_instance_swap(spec, swap, model, report)
@@ -320,21 +367,39 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                 continue
             converted = already = 0
             for instance in (m for m in model.modules() if isinstance(m, owner)):
-                if _effective_method(instance, swap.method) is new:
+                effective = _effective_method(instance, swap.method)
+                if _bound_method(instance, swap.method) is not new:
+                    # bound even where a class-level patch put the same function on the class (reported as
+                    # already patched): the instance patch then outlives a revert of the class level
+                    setattr(instance, swap.method, MethodType(new, instance))
+                if effective is new:
                     already += 1
-                    continue
-                setattr(instance, swap.method, MethodType(new, instance))
-                converted += 1
+                else:
+                    converted += 1
             target = f"{swap.owner}.{swap.method} of the instance"
-            _record_conversions(report, target, vars(owner)[swap.method], new, converted, already)
+            native = original_method(swap.module or spec.module, swap.owner, swap.method)
+            _record_conversions(report, target, native, new, converted, already)
     return report
+
+
+def _wrapper_hint(model) -> str:
+    if hasattr(model, "_orig_mod"):
+        return " (a torch.compile wrapper: patch `model._orig_mod`, or patch before compiling)"
+    if hasattr(model, "get_base_model"):
+        return " (a PEFT wrapper: patch `model.get_base_model()`)"
+    return ""
+
+
+_OWN_PACKAGES = ("transformers", "liger_dspine")
 
 
 def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Module) -> None:
     """Refuse, before anything changes, a module the replacement would compute differently: a subclass of the
-    native class with a forward of its own, or one the replacement's ``check_convertible`` refuses."""
+    native class with a forward of its own, one the replacement's ``check_convertible`` refuses, a module of a class
+    another package's patch put in transformers' place, or a model whose class overrides a method a swap binds."""
     for swap in _enabled_swaps(spec, options):
-        if not isinstance(swap, ClassSwap):
+        if isinstance(swap, MethodSwap):
+            _check_method_not_overridden(spec, swap, model)
             continue
         old = native_class(spec, swap)
         if not isinstance(old, type):
@@ -344,6 +409,13 @@ def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Modu
         for path, module in model.named_modules():
             if isinstance(module, new) or not isinstance(module, old):
                 continue
+            if old.__module__.split(".")[0] not in _OWN_PACKAGES:
+                raise ValueError(
+                    f"liger-dspine: {path or type(model).__name__} is a {qualified_name(old)}, which another "
+                    f"package's class-level patch (liger-kernel's apply_liger_kernel_to_*, ...) put in place of "
+                    f"transformers' {' / '.join(swap.names)} before this model was built; {new.__name__} replaces "
+                    "transformers' class only. Build the model without that patch; nothing was patched"
+                )
             if type(module).forward is not old.forward:
                 raise ValueError(
                     f"liger-dspine: {path or type(model).__name__} is a {type(module).__name__}, a subclass of "
@@ -352,6 +424,47 @@ def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Modu
                 )
             if check is not None:
                 check(module)
+
+
+def _check_method_not_overridden(spec: PatchSpec, swap: MethodSwap, model: nn.Module) -> None:
+    """Refuse a module whose class overrides the method a swap binds: the replacement would drop its code."""
+    module_name = swap.module or spec.module
+    owner = getattr(importlib.import_module(module_name), swap.owner, None)
+    if owner is None or swap.method not in vars(owner):
+        return
+    accepted = (original_method(module_name, swap.owner, swap.method), load_object(swap.replacement))
+    for path, instance in model.named_modules():
+        if isinstance(instance, owner) and getattr(type(instance), swap.method) not in accepted:
+            raise ValueError(
+                f"liger-dspine: {path or type(model).__name__} is a {type(instance).__name__}, a subclass of "
+                f"{swap.owner} with a {swap.method} of its own, which the {swap.option} swap would replace by "
+                f"{load_object(swap.replacement).__name__}; nothing was patched"
+            )
+
+
+def _check_undoable(spec: PatchSpec, options: dict[str, bool], model: nn.Module) -> None:
+    """Refuse, before anything changes, to turn back a module that was built as its replacement (under a
+    class-level patch): it has no native class to return to."""
+    for swap in _disabled_swaps(spec, options):
+        if not isinstance(swap, ClassSwap):
+            continue
+        old = native_class(spec, swap)
+        if not isinstance(old, type):
+            continue
+        new = load_object(swap.replacement)
+        for path, module in model.named_modules():
+            if type(module) is new and module.__dict__.get(_CONVERTED_FROM) is not old:
+                raise ValueError(
+                    f"liger-dspine: {path or type(model).__name__} was built as {new.__name__} (under a class-level "
+                    f"patch), so it cannot be turned back into {old.__name__} with {swap.option}=False; revert the "
+                    "class-level patch and build the model again; nothing was patched"
+                )
+
+
+def _bound_method(instance, method: str):
+    """The function bound to ``instance`` itself as ``method``, or None."""
+    bound = vars(instance).get(method)
+    return bound.__func__ if isinstance(bound, MethodType) else None
 
 
 def _effective_method(instance, method: str):
@@ -374,16 +487,10 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
             _record_restored(report, f"{old.__name__} references", new, old, restored)
             return
         restored = 0
-        for path, module in model.named_modules():
+        for module in model.modules():
             if type(module) is not new:
                 continue
-            if module.__dict__.get(_CONVERTED_FROM) is not old:
-                raise ValueError(
-                    f"liger-dspine: {path or type(model).__name__} was built as {new.__name__} (under a class-level "
-                    f"patch), so it cannot be turned back into {old.__name__} with {swap.option}=False; revert the "
-                    "class-level patch and build the model again"
-                )
-            del module.__dict__[_CONVERTED_FROM]
+            del module.__dict__[_CONVERTED_FROM]  # _check_undoable found it on every such module
             module.__class__ = old
             restored += 1
         _record_restored(report, f"{new.__name__} modules", new, old, restored)
@@ -403,7 +510,8 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
             pickling.register_original(original, swap.module or spec.module, swap.owner, swap.method)
             setattr(instance, swap.method, MethodType(original, instance))
         restored += 1
-    _record_restored(report, f"{swap.owner}.{swap.method} of the instance", new, vars(owner)[swap.method], restored)
+    native = original_method(swap.module or spec.module, swap.owner, swap.method)
+    _record_restored(report, f"{swap.owner}.{swap.method} of the instance", new, native, restored)
 
 
 def _record_restored(report: PatchReport, target: str, new, old, restored: int) -> None:

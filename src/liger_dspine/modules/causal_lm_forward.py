@@ -12,11 +12,8 @@ liger-kernel's ``lce_forward`` gives: transformers' fields that are not None in 
 slot stays at its index (None when the fused loss skipped them; ``loss, logits = out[:2]`` works), then
 ``token_accuracy`` when the fused path computed it.
 
-Checked before any kernel reads a label (a ``ValueError`` instead of a device-side assert or an out-of-bounds read
-in a kernel): every label is in ``[0, vocab)`` or ``-100``. On a GPU the range of the labels is reduced and copied
-to the host asynchronously before the decoder runs, and read after the decoder's kernels are queued, just before the
-loss: the host then waits only for that small reduction, queued ahead of the decoder, so the GPU's queue is never
-drained by the check.
+The labels are checked before any kernel reads them (``label_checks.py``). ``ignore_index`` (default -100) is taken
+as transformers' loss takes it.
 
 Loss: the sum of the token losses divided by ``num_items_in_batch`` when given, else by the number of targets
 that are not ignored; a divisor of 0 counts as 1. Deliberate difference from transformers: when every target is
@@ -24,10 +21,17 @@ ignored (a micro-batch of padding, or prompt-only samples) the loss is 0 and eve
 where the native forward returns NaN (and, with ``num_items_in_batch=0``, liger-kernel's fused loss gives NaN
 gradients). ``token_accuracy`` is then NaN: there is no token to score.
 
-The fused loss reads ``lm_head.weight`` directly. Under FSDP2, shard ``lm_head`` with its parent (the root's
-pre-forward gathers it); a separately sharded ``lm_head`` is a ``ValueError`` (use ``skip_logits=False`` there).
+The fused loss reads ``lm_head.weight`` directly (``head_checks.py``). A head that computes something else (a LoRA
+adapter on it, a bias, forward hooks, a custom class) gets the loss from its own logits, with a warning; with
+``skip_logits=True`` it is a ``ValueError``. Under FSDP2, shard ``lm_head`` with its parent (the root's pre-forward
+gathers it); a separately sharded ``lm_head`` is a ``ValueError`` (use ``skip_logits=False`` there).
+
+liger-kernel's loss keywords that this forward does not compute (``label_smoothing``, ``lse_square_scale``,
+``softcap``, ``ce_weight``, ``use_token_scaling``, ``return_predicted_tokens``) are a ``ValueError`` unless at their
+defaults, instead of being passed on to the decoder, which ignores them.
 """
 
+import warnings
 from dataclasses import dataclass
 from dataclasses import fields
 
@@ -36,13 +40,25 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.backward_guard import SecondPassGuard
+from liger_dspine.modules.head_checks import check_head_is_gathered
+from liger_dspine.modules.head_checks import unfused_head_reason
+from liger_dspine.modules.label_checks import IGNORE_INDEX
+from liger_dspine.modules.label_checks import checked_labels
 
 try:  # newer transformers also take 2D positions [B, P] and boolean masks [B, S] (logits [N, V])
     from transformers.modeling_utils import slice_logits_to_keep as _slice_logits_to_keep
 except ImportError:
     _slice_logits_to_keep = None
 
-IGNORE_INDEX = -100
+# liger-kernel's loss keywords, with the values at which they change nothing
+_LIGER_LOSS_DEFAULTS = {
+    "label_smoothing": 0.0,
+    "lse_square_scale": 0.0,
+    "softcap": None,
+    "ce_weight": None,
+    "use_token_scaling": False,
+    "return_predicted_tokens": False,
+}
 
 
 @dataclass
@@ -150,20 +166,22 @@ def _causal_lm_forward(
         return_dict = getattr(self.config, "return_dict", True)
     shift_labels = kwargs.pop("shift_labels", None)
     accum_dtype = _checked_accum_dtype(kwargs.pop("accum_dtype", None))
+    ignore_index = _checked_ignore_index(kwargs.pop("ignore_index", IGNORE_INDEX))
+    _refuse_liger_loss_options(kwargs)
     has_labels = labels is not None or shift_labels is not None
     if skip_logits and not has_labels:
         raise ValueError(
             "liger-dspine: skip_logits=True needs labels or shift_labels: without them there is no loss to compute"
         )
     if has_labels:
+        vocab = self.lm_head.weight.shape[0]
         if shift_labels is None:
-            labels, labels_checked = _checked_labels(labels, self.lm_head.weight.shape[0])
+            labels, labels_checked = checked_labels(labels, vocab, ignore_index, shifted=False)
         else:
-            shift_labels, labels_checked = _checked_labels(shift_labels, self.lm_head.weight.shape[0])
-    if skip_logits is None:
-        skip_logits = fused and self.training and has_labels
+            shift_labels, labels_checked = checked_labels(shift_labels, vocab, ignore_index)
+    skip_logits = _fused_choice(self, fused, skip_logits, has_labels)
     if skip_logits:
-        _check_head_is_gathered(self.lm_head.weight)
+        check_head_is_gathered(self.lm_head.weight)
 
     outputs = self.model(
         input_ids=input_ids,
@@ -181,11 +199,13 @@ def _causal_lm_forward(
     loss = logits = token_accuracy = None
     if has_labels:
         labels_checked()
-        targets = _shifted_targets(labels, shift_labels, hidden_states)
-        divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"))
+        targets = _shifted_targets(labels, shift_labels, hidden_states, ignore_index)
+        divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"), ignore_index)
     if skip_logits:
         fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
-        loss, token_accuracy = fused_loss(hidden_states, self.lm_head.weight, targets, divisor, accum_dtype)
+        loss, token_accuracy = fused_loss(
+            hidden_states, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index
+        )
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:
@@ -195,16 +215,56 @@ def _causal_lm_forward(
                     labels=labels,
                     shift_labels=None if shift_labels is None else shift_labels.contiguous(),  # the loss views it
                     vocab_size=self.config.vocab_size if vocab_size is None else vocab_size(self),
+                    ignore_index=ignore_index,
                     **{**kwargs, "num_items_in_batch": divisor},  # sum / divisor
                 )
             else:
-                loss = _liger_ce(logits, targets, divisor)
+                loss = _liger_ce(logits, targets, divisor, ignore_index)
 
     output = output_class(loss=loss, logits=logits, token_accuracy=token_accuracy)
     for f in fields(output):
         if f.name not in ("loss", "logits", "token_accuracy") and f.name in outputs:
             setattr(output, f.name, outputs[f.name])
     return output if return_dict else _to_tuple(output)
+
+
+def _fused_choice(model, fused: bool, skip_logits, has_labels: bool) -> bool:
+    """Whether the loss skips the logits: ``skip_logits`` when given, else in training with labels; never for a head
+    the fused loss would not compute (``head_checks.unfused_head_reason``)."""
+    wanted = (fused and model.training and has_labels) if skip_logits is None else skip_logits
+    reason = unfused_head_reason(model.lm_head) if wanted else None
+    if reason is None:
+        return bool(wanted)
+    if skip_logits:
+        raise ValueError(
+            f"liger-dspine: skip_logits=True, but {reason}: the fused linear cross entropy reads lm_head.weight "
+            "without calling lm_head, so it would leave that out"
+        )
+    warnings.warn(
+        f"liger-dspine: {reason}, which the fused linear cross entropy (it reads lm_head.weight only) would leave "
+        "out: the loss is computed from the head's logits instead",
+        stacklevel=4,
+    )
+    return False
+
+
+def _checked_ignore_index(ignore_index) -> int:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"liger-dspine: ignore_index must be an int, got {ignore_index!r}")
+    return ignore_index
+
+
+def _refuse_liger_loss_options(kwargs: dict) -> None:
+    """Take liger-kernel's loss keywords out of ``kwargs``; one that is not at its default is a ValueError."""
+    for name, default in _LIGER_LOSS_DEFAULTS.items():
+        value = kwargs.pop(name, default)
+        if not (value is default or (default is not None and value == default)):
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(
+                f"liger-dspine: {name}={shown} is one of liger-kernel's loss options that this forward does not "
+                "compute (transformers' loss ignores it too); leave it at its default "
+                f"({default!r}) or compute the loss from the returned logits"
+            )
 
 
 def _checked_accum_dtype(accum_dtype):
@@ -231,10 +291,10 @@ def _keep_positions(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor
     return hidden_states[:, logits_to_keep, :]
 
 
-def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
+def _shifted_targets(labels, shift_labels, hidden_states, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Next-token targets aligned with ``hidden_states`` [B, S, H], flattened to [B*S]."""
     if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if shift_labels.shape != hidden_states.shape[:-1]:
         raise ValueError(
             f"liger-dspine: labels of shape {tuple(shift_labels.shape)} do not match the hidden states "
@@ -243,97 +303,10 @@ def _shifted_targets(labels, shift_labels, hidden_states) -> torch.Tensor:
     return shift_labels.reshape(-1).to(hidden_states.device)
 
 
-def _checked_labels(labels: torch.Tensor, vocab_size: int):
-    """``(labels, finish)``: call ``finish()`` before any kernel reads the labels; it raises what
-    :func:`_check_label_range` raises. On a CUDA device the range check runs on the device and its result is read in
-    ``finish`` (see the module docstring); elsewhere it runs here. Under torch.compile the check is an opaque op
-    returning a copy of the labels (which the loss then reads, so the check stays in the graph), instead of a graph
-    break."""
-    if torch.compiler.is_compiling():
-        return _checked_labels_op(labels, vocab_size), _nothing
-    if labels.is_cuda and labels.numel():
-        return labels, _start_label_range_check(labels, vocab_size)
-    _check_label_range(labels, vocab_size)
-    return labels, _nothing
-
-
-def _nothing() -> None:
-    return None
-
-
-def _start_label_range_check(labels: torch.Tensor, vocab_size: int):
-    """Queue the reduction of the labels' range and its copy to pinned host memory; return the function that waits
-    for that copy (not for the work queued after it) and raises as :func:`_check_label_range` does."""
-    with torch.cuda.device(labels.device):
-        bounds = _label_bounds(labels)
-        on_host = torch.empty(2, dtype=bounds.dtype, pin_memory=True)
-        on_host.copy_(bounds, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-
-    def finish() -> None:
-        copied.synchronize()
-        low, high = on_host.tolist()
-        if not (low >= 0 and high < vocab_size):
-            _raise_label_range_error(labels, vocab_size)
-
-    return finish
-
-
-@torch.library.custom_op("liger_dspine::checked_labels", mutates_args=())
-def _checked_labels_op(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    _check_label_range(labels, vocab_size)
-    return labels.clone()
-
-
-@_checked_labels_op.register_fake
-def _(labels, vocab_size):
-    return torch.empty_like(labels)
-
-
-def _check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError if a label is neither in ``[0, vocab_size)`` nor ``IGNORE_INDEX``."""
-    if labels.numel() == 0:
-        return
-    low, high = _label_bounds(labels).tolist()  # the one host sync
-    if not (low >= 0 and high < vocab_size):
-        _raise_label_range_error(labels, vocab_size)
-
-
-def _label_bounds(labels: torch.Tensor) -> torch.Tensor:
-    """[2]: the smallest and the largest label that is not ``IGNORE_INDEX`` (0 stands in for ignored ones)."""
-    return torch.stack(torch.where(labels != IGNORE_INDEX, labels, 0).aminmax())
-
-
-def _raise_label_range_error(labels: torch.Tensor, vocab_size: int) -> None:
-    kept = labels != IGNORE_INDEX
-    bad = labels[kept & ((labels < 0) | (labels >= vocab_size))]
-    raise ValueError(
-        f"liger-dspine: labels must be in [0, {vocab_size}) (the vocabulary of lm_head) or {IGNORE_INDEX} (ignored); "
-        f"{bad.numel()} label(s) are outside, with values from {bad.min().item()} to {bad.max().item()}"
-    )
-
-
-def _check_head_is_gathered(weight: torch.Tensor) -> None:
-    """The fused loss reads ``lm_head.weight`` without calling ``lm_head``: a sharded weight must be whole by now."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return
-    if isinstance(weight, DTensor):
-        raise ValueError(
-            "liger-dspine: lm_head.weight is a sharded DTensor inside the forward: the fused linear cross entropy "
-            "reads the weight without calling lm_head, so a separately sharded lm_head (FSDP2 "
-            "fully_shard(model.lm_head), or tensor parallel) is never gathered for it. Shard lm_head together with its "
-            "parent (fully_shard(model) without its own fully_shard), or pass skip_logits=False to compute the loss "
-            "from logits"
-        )
-
-
-def _loss_divisor(targets: torch.Tensor, num_items_in_batch) -> torch.Tensor | int:
+def _loss_divisor(targets: torch.Tensor, num_items_in_batch, ignore_index: int = IGNORE_INDEX) -> torch.Tensor | int:
     """``num_items_in_batch``, or the count of targets not ignored, as the loss divisor; at least 1, no host sync."""
     if num_items_in_batch is None:
-        return (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return (targets != ignore_index).sum().clamp(min=1)
     if isinstance(num_items_in_batch, torch.Tensor):
         return num_items_in_batch.clamp(min=1)
     return max(num_items_in_batch, 1)
@@ -351,19 +324,19 @@ def fused_ce_chunk_mem_const(tokens: int, hidden: int, element_size: int) -> int
     return max(1, FUSED_CE_CHUNK_BYTES // max(1, tokens * hidden * element_size))
 
 
-def _fused_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):
+def _fused_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None, ignore_index=IGNORE_INDEX):
     from liger_dspine.ops.liger_kernel_ops import liger_fused_linear_cross_entropy
 
     check_kernel_device(hidden_states, "fused linear cross entropy")
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     chunk_mem_const = fused_ce_chunk_mem_const(flat.shape[0], flat.shape[1], flat.element_size())
     loss, token_accuracy = liger_fused_linear_cross_entropy(
-        flat, weight, targets, IGNORE_INDEX, chunk_mem_const, accum_dtype
+        flat, weight, targets, ignore_index, chunk_mem_const, accum_dtype
     )
     return loss / _on(divisor, loss), token_accuracy
 
 
-def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None):
+def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor, accum_dtype=None, ignore_index=IGNORE_INDEX):
     # each vocabulary chunk's d weight is one GEMM accumulated in fp32, rounded once: any accum_dtype is met
     from liger_dspine.ops.linear_cross_entropy import liger_vocab_chunked_linear_cross_entropy
 
@@ -372,21 +345,21 @@ def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor, accum_dtyp
         hidden_states.reshape(-1, hidden_states.shape[-1]),
         weight,
         targets,
-        ignore_index=IGNORE_INDEX,
+        ignore_index=ignore_index,
         reduction="sum",
         return_token_accuracy=True,
     )
     return loss / _on(divisor, loss), token_accuracy
 
 
-def _liger_ce(logits, targets, divisor):
+def _liger_ce(logits, targets, divisor, ignore_index=IGNORE_INDEX):
     from liger_kernel.transformers.functional import liger_cross_entropy
 
     check_kernel_device(logits, "Liger cross entropy")
     # The kernel writes the gradient into its input: give it an fp32 copy, never the logits returned to the caller.
     logits_fp32 = logits.reshape(-1, logits.shape[-1]).to(torch.float32, copy=True)
     guard = SecondPassGuard("liger-kernel's cross-entropy kernel")
-    loss = guard.inner(liger_cross_entropy(logits_fp32, targets, ignore_index=IGNORE_INDEX, reduction="sum"))
+    loss = guard.inner(liger_cross_entropy(logits_fp32, targets, ignore_index=ignore_index, reduction="sum"))
     return guard.outer(loss / _on(divisor, loss))
 
 

@@ -294,9 +294,10 @@ def test_instance_patch_of_a_class_patched_model_changes_nothing(class_level):
     report = apply_liger_kernel_to_deepseek_v3(model=model)
 
     assert module_types(model) == types
-    assert "forward" not in vars(model)
     assert {r.target: r.count for r in report} == expected_instance_report(DEFAULTS, 9, 2, 1)
     assert all(r.already for r in report)
+    # the loss forward is bound to the instance as well, so the instance patch outlives a class-level revert
+    assert model.forward.__func__ is lce_forward
 
 
 def test_class_patch_is_idempotent(class_level):

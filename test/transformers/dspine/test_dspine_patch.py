@@ -191,6 +191,9 @@ def test_drafter_built_under_the_class_patch_reports_already_patched(class_level
     objective = build_objective(target)
     report = apply_liger_kernel_to_dspine(model=objective)
     assert [(r.count, r.already) for r in report] == [(10, True), (2, True), (2, True), (1, True), (1, True)]
+    # the switch is bound to the objective too: the instance patch outlives a revert of the class level
+    revert_liger_kernel_to_dspine()
+    assert objective.fused_objective and not build_objective(target).fused_objective
 
 
 # ------------------------------------------------------------------------------------------------ instance level

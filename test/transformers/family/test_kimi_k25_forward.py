@@ -89,6 +89,6 @@ def test_labels_are_checked_against_the_text_vocabulary(models):
     _, patched = models
     input_ids = text_batch()
     labels = input_ids.clone()
-    labels[0, 0] = CASE.vocab_size
+    labels[0, 1] = CASE.vocab_size
     with pytest.raises(ValueError, match=rf"liger-dspine: labels must be in \[0, {CASE.vocab_size}\)"):
         patched(input_ids=input_ids, labels=labels)

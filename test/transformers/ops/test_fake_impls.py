@@ -23,7 +23,7 @@ from triton.runtime import interpreter
 
 import liger_dspine
 from liger_dspine.modules import backward_guard
-from liger_dspine.modules import causal_lm_forward
+from liger_dspine.modules import label_checks
 from liger_dspine.ops import alignment_cosine
 from liger_dspine.ops import candidate_scores
 from liger_dspine.ops import frozen_head_loss
@@ -207,7 +207,7 @@ def case_vocab_chunked_cross_entropy():
 
 
 def case_checked_labels():
-    return causal_lm_forward._checked_labels_op(randint(16, 2, 5), 16), []
+    return label_checks._checked_labels_op(randint(16, 2, 5), 16, -100, False), []
 
 
 def frozen_head_inputs():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
-from liger_dspine.modules import causal_lm_forward
+from liger_dspine.modules import label_checks
 from tiny_models import build_model
 from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
@@ -50,11 +50,11 @@ def test_the_label_check_never_synchronises():
     labels = torch.randint(0, 50, (2, 64), device="cuda")
     labels[:, ::5] = -100
     with no_host_synchronisation():
-        checked, finish = causal_lm_forward._checked_labels(labels, 50)
+        checked, finish = label_checks.checked_labels(labels, 50)
         finish()
     assert checked is labels
     labels[1, 7] = 50
-    checked, finish = causal_lm_forward._checked_labels(labels, 50)
+    checked, finish = label_checks.checked_labels(labels, 50)
     with pytest.raises(ValueError, match=r"labels must be in \[0, 50\).*1 label\(s\) are outside"):
         finish()
 

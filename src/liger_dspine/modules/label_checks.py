@@ -1,0 +1,95 @@
+"""The labels of a causal-LM loss, checked before any kernel reads them: a ``TypeError`` for a tensor that is not
+of integers, a ``ValueError`` for a target outside ``[0, vocab)`` that is not the ignore index (instead of a
+device-side assert or an out-of-bounds read in a kernel).
+
+Only what becomes a target is checked: for ``labels`` (shifted inside the loss) the first position of each row never
+is one, so its value does not matter, as in transformers' loss; for ``shift_labels`` every position is.
+
+On a GPU the range of the labels is reduced and copied to the host asynchronously before the decoder runs, and read
+after the decoder's kernels are queued, just before the loss: the host then waits only for that small reduction,
+queued ahead of the decoder, so the GPU's queue is never drained by the check. Under torch.compile the check is an
+opaque op returning a copy of the labels (which the loss then reads, so the check stays in the graph) instead of a
+graph break.
+"""
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX, shifted: bool = True):
+    """``(labels, finish)``: call ``finish()`` before any kernel reads the labels; it raises what
+    :func:`check_label_range` raises. ``shifted=False``: ``labels`` is shifted by the loss, so its first position of
+    each row is left out of the check. On a CUDA device the check is read in ``finish``; elsewhere it runs here."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"liger-dspine: labels must be a tensor of token ids, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"liger-dspine: labels must be a tensor of integer token ids, got {labels.dtype}")
+    if torch.compiler.is_compiling():
+        return _checked_labels_op(labels, vocab_size, ignore_index, shifted), _nothing
+    targets = _targets_of(labels, shifted)
+    if targets.is_cuda and targets.numel():
+        return labels, _start_label_range_check(targets, vocab_size, ignore_index)
+    check_label_range(targets, vocab_size, ignore_index)
+    return labels, _nothing
+
+
+def _targets_of(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    return labels if shifted or labels.dim() == 0 else labels[..., 1:]
+
+
+def _nothing() -> None:
+    return None
+
+
+def _start_label_range_check(labels: torch.Tensor, vocab_size: int, ignore_index: int):
+    """Queue the reduction of the labels' range and its copy to pinned host memory; return the function that waits
+    for that copy (not for the work queued after it) and raises as :func:`check_label_range` does."""
+    with torch.cuda.device(labels.device):
+        bounds = _label_bounds(labels, ignore_index)
+        on_host = torch.empty(2, dtype=bounds.dtype, pin_memory=True)
+        on_host.copy_(bounds, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+    def finish() -> None:
+        copied.synchronize()
+        low, high = on_host.tolist()
+        if not (low >= 0 and high < vocab_size):
+            _raise_label_range_error(labels, vocab_size, ignore_index)
+
+    return finish
+
+
+@torch.library.custom_op("liger_dspine::checked_labels", mutates_args=())
+def _checked_labels_op(labels: torch.Tensor, vocab_size: int, ignore_index: int, shifted: bool) -> torch.Tensor:
+    check_label_range(_targets_of(labels, shifted), vocab_size, ignore_index)
+    return labels.clone()
+
+
+@_checked_labels_op.register_fake
+def _(labels, vocab_size, ignore_index, shifted):
+    return torch.empty_like(labels)
+
+
+def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX) -> None:
+    """Raise ValueError if a label is neither in ``[0, vocab_size)`` nor ``ignore_index``."""
+    if labels.numel() == 0:
+        return
+    low, high = _label_bounds(labels, ignore_index).tolist()  # the one host sync
+    if not (low >= 0 and high < vocab_size):
+        _raise_label_range_error(labels, vocab_size, ignore_index)
+
+
+def _label_bounds(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """[2]: the smallest and the largest label that is not ``ignore_index`` (0 stands in for ignored ones)."""
+    return torch.stack(torch.where(labels != ignore_index, labels, 0).aminmax())
+
+
+def _raise_label_range_error(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    kept = labels != ignore_index
+    bad = labels[kept & ((labels < 0) | (labels >= vocab_size))]
+    raise ValueError(
+        f"liger-dspine: labels must be in [0, {vocab_size}) (the vocabulary of lm_head) or {ignore_index} (the ignore "
+        f"index); {bad.numel()} label(s) are outside, with values from {bad.min().item()} to {bad.max().item()}"
+    )
