@@ -100,10 +100,24 @@ def _inspect(config_arg: str) -> int:
         config = AutoConfig.from_pretrained(path)
     else:
         config = AutoConfig.for_model(config_arg)
+        filled = _fill_unset_expert_counts(config.get_text_config(decoder=True))
+        if filled:
+            print(f"(the default {type(config).__name__} leaves {', '.join(filled)} unset: 1 is taken to build it)")
     with torch.device("meta"):
         model = causal_lm_from_config(config)
     print(apply_liger_kernel_to_instance(model))
     return 0
+
+
+# expert counts some configs leave None by default (Dots1Config); the modules they size are built all the same
+_EXPERT_COUNTS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts")
+
+
+def _fill_unset_expert_counts(config) -> list[str]:
+    filled = [name for name in _EXPERT_COUNTS if hasattr(config, name) and getattr(config, name) is None]
+    for name in filled:
+        setattr(config, name, 1)
+    return filled
 
 
 if __name__ == "__main__":

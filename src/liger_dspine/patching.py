@@ -397,6 +397,12 @@ def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Modu
     """Refuse, before anything changes, a module the replacement would compute differently: a subclass of the
     native class with a forward of its own, one the replacement's ``check_convertible`` refuses, a module of a class
     another package's patch put in transformers' place, or a model whose class overrides a method a swap binds."""
+    # modules this call first turns back to their native class (an option now off), then converts again
+    undone = {
+        load_object(swap.replacement)
+        for swap in _disabled_swaps(spec, options)
+        if isinstance(swap, ClassSwap) and isinstance(native_class(spec, swap), type)
+    }
     for swap in _enabled_swaps(spec, options):
         if isinstance(swap, MethodSwap):
             _check_method_not_overridden(spec, swap, model)
@@ -408,6 +414,10 @@ def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Modu
         check = getattr(new, "check_convertible", None)
         for path, module in model.named_modules():
             if isinstance(module, new) or not isinstance(module, old):
+                continue
+            if type(module) in undone:
+                if check is not None:
+                    check(module)
                 continue
             if old.__module__.split(".")[0] not in _OWN_PACKAGES:
                 raise ValueError(

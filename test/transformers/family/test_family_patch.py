@@ -372,3 +372,27 @@ def test_inspect_reports_the_swaps_of_a_saved_config(case, capsys, tmp_path):
     targets = {line.split(" x")[0].strip() for line in lines[1:]}
     opt_in = {f"{name} modules" for name in case.opt_in}  # inspect reports the default options
     assert targets == expected_targets(case, "{name} modules", "{name} of the instance") - opt_in
+
+
+def test_recompute_attention_after_a_default_instance_patch_gives_the_native_loss(case):
+    if "recompute_attention" not in inspect.signature(case.apply_fn()).parameters:
+        pytest.skip("this patch has no recompute_attention")
+    if not (case.mla and f"{case.prefix}Attention" in case.swapped_here):
+        pytest.skip("this transformers keeps the attention native")
+    native = case.build()
+    patched = copy.deepcopy(native)
+    case.apply_fn()(model=patched)
+    case.apply_fn()(model=patched, recompute_attention=True)
+    attention = type(case.decoder_of(patched).layers[0].self_attn)
+    assert attention.__name__ == f"Liger{case.prefix}RecomputeAttention"
+    input_ids = batches(case)[0]
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads(patched, input_ids), loss_and_grads(native, input_ids)
+    assert_steps_close([(loss, grads)], [(ref_loss, ref_grads)])
+
+
+def test_inspect_by_model_type_builds_its_default_config(case, capsys):
+    from liger_dspine.cli import main
+
+    assert main(["inspect", case.model_type]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"liger-dspine patch for {case.model_type} (instance level):" in lines

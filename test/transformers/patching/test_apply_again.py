@@ -108,6 +108,23 @@ def test_deepseek_v3_default_after_recompute_attention_takes_the_default_attenti
         assert modeling_deepseek_v3.DeepseekV3RMSNorm.__module__ == modeling_deepseek_v3.__name__
 
 
+def test_deepseek_v3_recompute_attention_after_a_default_instance_patch_takes_it_with_the_native_loss():
+    config = tiny_deepseek_v3_config()
+    input_ids, labels = random_batch(config)
+    native = build_model(config)
+    ref, ref_grads = loss_and_grads(native, input_ids, labels=labels)
+    model = build_model(config)
+    apply_liger_kernel_to_deepseek_v3(model=model)
+    report = apply_liger_kernel_to_deepseek_v3(recompute_attention=True, model=model)
+    assert [r.target for r in report if r.restored] == ["LigerDeepseekV3Attention modules"]
+    kinds = {type(m) for m in model.modules()}
+    assert LigerDeepseekV3RecomputeAttention in kinds and LigerDeepseekV3Attention not in kinds
+    out, grads = loss_and_grads(model, input_ids, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_a_module_built_under_the_class_patch_cannot_be_turned_back(dspine_class_level):
     target = tiny_target()
     apply_liger_kernel_to_dspine()

@@ -1,5 +1,7 @@
 """The model-type registry, the strict generic entry points, and the hook into liger-kernel's own table."""
 
+import inspect
+
 import pytest
 import torch
 from liger_kernel.transformers import AutoLigerKernelForCausalLM
@@ -237,3 +239,16 @@ def test_unknown_option_error_lists_accepted_options():
     assert "'not_a_flag'" in message and "'swiglu'" not in message.split("accepts")[0]
     for option in ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "swiglu"):
         assert option in message.split("accepts")[1]
+
+
+@pytest.mark.parametrize("model_type", sorted(set(MODEL_TYPE_TO_APPLY_LIGER_FN) - {"sarvam_mla"}))
+def test_every_apply_function_checks_its_options_before_patching(model_type):
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    params = inspect.signature(apply).parameters
+    assert list(params)[:1] != ["args"]  # the wrapper keeps the function's own signature for liger-kernel's dispatch
+    before = snapshot_modeling_globals()
+    with pytest.raises(TypeError, match=r"got unknown option\(s\) 'not_a_flag'; it accepts: .*rms_norm"):
+        apply(not_a_flag=True)
+    with pytest.raises(TypeError, match="option rms_norm must be True or False, got 'false'"):
+        apply(rms_norm="false")
+    assert changed_modeling_globals(before) == []

@@ -6,6 +6,7 @@ import sys
 from liger_dspine import patching
 from liger_dspine import pickling
 from liger_dspine._versions import require_supported_versions
+from liger_dspine.apply_options import checked_options
 from liger_dspine.models.deepseek_v3.spec import DEEPSEEK_V3_SPEC
 
 logger = logging.getLogger(__name__)
@@ -14,6 +15,7 @@ FUSED_MOE_AUTOTUNE = "LIGER_FUSED_MOE_AUTOTUNE"
 FUSED_MOE_KERNELS = "liger_kernel.ops.fused_moe_kernels"
 
 
+@checked_options
 def apply_liger_kernel_to_deepseek_v3(
     rope: bool = True,
     cross_entropy: bool = False,

@@ -3,11 +3,13 @@ from importlib import metadata
 from packaging.version import Version
 
 from liger_dspine import patching
+from liger_dspine.apply_options import checked_options
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
 from liger_dspine.models.deepseek_v4.spec import DEEPSEEK_V4_SPEC
 
 
+@checked_options
 def apply_liger_kernel_to_deepseek_v4(
     rope: bool = True,
     cross_entropy: bool = False,

@@ -1,10 +1,12 @@
 from liger_dspine import patching
+from liger_dspine.apply_options import checked_options
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
 from liger_dspine.models.deepseek_v3.family import refuse_rope
 from liger_dspine.models.dots1.spec import DOTS1_SPEC
 
 
+@checked_options
 def apply_liger_kernel_to_dots1(
     rope: bool = False,
     cross_entropy: bool = False,

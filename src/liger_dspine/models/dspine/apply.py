@@ -1,9 +1,11 @@
 from liger_dspine import patching
 from liger_dspine import pickling
 from liger_dspine._versions import require_supported_versions
+from liger_dspine.apply_options import checked_options
 from liger_dspine.models.dspine.spec import DSPINE_SPEC
 
 
+@checked_options
 def apply_liger_kernel_to_dspine(
     rms_norm: bool = True,
     swiglu: bool = True,

@@ -1,10 +1,12 @@
 from liger_dspine import patching
+from liger_dspine.apply_options import checked_options
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
 from liger_dspine.models.deepseek_v3.family import refuse_rope
 from liger_dspine.models.glm4_moe.spec import GLM4_MOE_SPEC
 
 
+@checked_options
 def apply_liger_kernel_to_glm4_moe(
     rope: bool = False,
     cross_entropy: bool = False,

@@ -1,9 +1,11 @@
 from liger_dspine import patching
+from liger_dspine.apply_options import checked_options
 from liger_dspine.models.deepseek_v3.apply import apply_spec
 from liger_dspine.models.deepseek_v3.apply import v3_options
 from liger_dspine.models.youtu.spec import YOUTU_SPEC
 
 
+@checked_options
 def apply_liger_kernel_to_youtu(
     rope: bool = True,
     cross_entropy: bool = False,
