@@ -180,8 +180,6 @@ def _causal_lm_forward(
         else:
             shift_labels, labels_checked = checked_labels(shift_labels, vocab, ignore_index)
     skip_logits = _fused_choice(self, fused, skip_logits, has_labels)
-    if skip_logits:
-        check_head_is_gathered(self.lm_head.weight)
 
     outputs = self.model(
         input_ids=input_ids,
@@ -232,9 +230,12 @@ def _fused_choice(model, fused: bool, skip_logits, has_labels: bool) -> bool:
     """Whether the loss skips the logits: ``skip_logits`` when given, else in training with labels; never for a head
     the fused loss would not compute (``head_checks.unfused_head_reason``)."""
     wanted = (fused and model.training and has_labels) if skip_logits is None else skip_logits
-    reason = unfused_head_reason(model.lm_head) if wanted else None
+    if not wanted:
+        return False
+    check_head_is_gathered(model.lm_head.weight)  # a separately sharded head: an error, not the logits path
+    reason = unfused_head_reason(model.lm_head)
     if reason is None:
-        return bool(wanted)
+        return True
     if skip_logits:
         raise ValueError(
             f"liger-dspine: skip_logits=True, but {reason}: the fused linear cross entropy reads lm_head.weight "
