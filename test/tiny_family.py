@@ -73,6 +73,13 @@ MISTRAL4_ROPE = dict(
 )
 
 
+MISTRAL4_TEXT = {**COMMON, **MLA, **SOFTMAX_MOE, "first_k_dense_replace": 1, "rope_parameters": MISTRAL4_ROPE}
+MISTRAL3_VISION = dict(
+    hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1, head_dim=8, image_size=16,
+    patch_size=4,
+)  # fmt: skip
+
+
 DSA = dict(
     **{key: value for key, value in MLA.items() if key != "rope_interleave"},  # always interleaved
     **MOE,
@@ -373,8 +380,29 @@ CASES = {
         FamilyCase(
             "mistral4",
             "Mistral4",
-            {**COMMON, **MLA, **SOFTMAX_MOE, "first_k_dense_replace": 1, "rope_parameters": MISTRAL4_ROPE},
+            MISTRAL4_TEXT,
             _swapped("Mistral4", moe_block="Mistral4MoE", routes_in_block=True),
+        ),
+        # Mistral-Small-4 as its checkpoints load: a mistral4 text model under a Pixtral vision tower (kept native)
+        # and a projector with an RMSNorm; text-only batches
+        FamilyCase(
+            "mistral3",
+            "Mistral4",
+            {
+                "text_config": {"model_type": "mistral4", **MISTRAL4_TEXT},
+                "vision_config": MISTRAL3_VISION,
+                "spatial_merge_size": 1,
+                "tie_word_embeddings": False,
+            },
+            ("Mistral3RMSNorm",)
+            + _swapped("Mistral4", moe_block="Mistral4MoE", routes_in_block=True)[:-1]
+            + ("Mistral3ForConditionalGeneration.forward",),
+            forwards="liger_dspine.models.mistral3.forward",
+            causal_lm="Mistral3ForConditionalGeneration",
+            base="Mistral3PreTrainedModel",
+            text_modeling="transformers.models.mistral4.modeling_mistral4",
+            decoder="model.language_model",
+            liger_modules=("liger_dspine.models.mistral4.modules",),
         ),
     )
 }

@@ -36,6 +36,8 @@ from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25  #
 from liger_dspine.models.kimi_k25.apply import revert_liger_kernel_to_kimi_k25  # noqa: E402
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3  # noqa: E402
 from liger_dspine.models.minicpm3.apply import revert_liger_kernel_to_minicpm3  # noqa: E402
+from liger_dspine.models.mistral3.apply import apply_liger_kernel_to_mistral3  # noqa: E402
+from liger_dspine.models.mistral3.apply import revert_liger_kernel_to_mistral3  # noqa: E402
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4  # noqa: E402
 from liger_dspine.models.mistral4.apply import revert_liger_kernel_to_mistral4  # noqa: E402
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu  # noqa: E402
@@ -63,6 +65,7 @@ __all__ = [
     "apply_liger_kernel_to_glm_moe_dsa",
     "apply_liger_kernel_to_instance",
     "apply_liger_kernel_to_kimi_k25",
+    "apply_liger_kernel_to_mistral3",
     "apply_liger_kernel_to_minicpm3",
     "apply_liger_kernel_to_mistral4",
     "apply_liger_kernel_to_youtu",
@@ -79,6 +82,7 @@ __all__ = [
     "revert_liger_kernel_to_glm4_moe_lite",
     "revert_liger_kernel_to_glm_moe_dsa",
     "revert_liger_kernel_to_kimi_k25",
+    "revert_liger_kernel_to_mistral3",
     "revert_liger_kernel_to_minicpm3",
     "revert_liger_kernel_to_mistral4",
     "revert_liger_kernel_to_youtu",

@@ -99,7 +99,7 @@ def _inspect(config_arg: str) -> int:
         path = os.path.dirname(config_arg) if config_arg.endswith(".json") else config_arg
         config = AutoConfig.from_pretrained(path)
     else:
-        config = AutoConfig.for_model(config_arg)
+        config = AutoConfig.for_model(config_arg, **_PATCHED_DEFAULTS.get(config_arg, {}))
         filled = _fill_unset_expert_counts(config.get_text_config(decoder=True))
         if filled:
             print(f"(the default {type(config).__name__} leaves {', '.join(filled)} unset: 1 is taken to build it)")
@@ -108,6 +108,9 @@ def _inspect(config_arg: str) -> int:
     print(apply_liger_kernel_to_instance(model))
     return 0
 
+
+# by model type: what the default config needs to be the model the patch covers (mistral3: Mistral-Small-4)
+_PATCHED_DEFAULTS = {"mistral3": {"text_config": {"model_type": "mistral4"}}}
 
 # expert counts some configs leave None by default (Dots1Config); the modules they size are built all the same
 _EXPERT_COUNTS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts")

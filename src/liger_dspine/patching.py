@@ -463,7 +463,7 @@ def _check_undoable(spec: PatchSpec, options: dict[str, bool], model: nn.Module)
             continue
         new = load_object(swap.replacement)
         for path, module in model.named_modules():
-            if type(module) is new and module.__dict__.get(_CONVERTED_FROM) is not old:
+            if type(module) is new and _CONVERTED_FROM not in module.__dict__:
                 raise ValueError(
                     f"liger-dspine: {path or type(model).__name__} was built as {new.__name__} (under a class-level "
                     f"patch), so it cannot be turned back into {old.__name__} with {swap.option}=False; revert the "
@@ -498,9 +498,11 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
             return
         restored = 0
         for module in model.modules():
-            if type(module) is not new:
+            # _check_undoable found the native class on every such module; another swap with the same replacement
+            # (two native norm classes) turns back its own
+            if type(module) is not new or module.__dict__.get(_CONVERTED_FROM) is not old:
                 continue
-            del module.__dict__[_CONVERTED_FROM]  # _check_undoable found it on every such module
+            del module.__dict__[_CONVERTED_FROM]
             module.__class__ = old
             restored += 1
         _record_restored(report, f"{new.__name__} modules", new, old, restored)

@@ -14,6 +14,7 @@ from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_m
 from liger_dspine.models.glm_moe_dsa.apply import apply_liger_kernel_to_glm_moe_dsa
 from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3
+from liger_dspine.models.mistral3.apply import apply_liger_kernel_to_mistral3
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu
 from liger_dspine.patching import check_options
@@ -34,6 +35,7 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "deepseek_v4": apply_liger_kernel_to_deepseek_v4,
     # a multimodal model whose text model is DeepSeek-V3's (keyed by the top-level config's model type)
     "kimi_k25": apply_liger_kernel_to_kimi_k25,
+    "mistral3": apply_liger_kernel_to_mistral3,
     # its config builds DeepseekV3ForCausalLM (transformers has no modeling file for it)
     "sarvam_mla": apply_liger_kernel_to_deepseek_v3,
     "youtu": apply_liger_kernel_to_youtu,

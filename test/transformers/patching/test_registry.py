@@ -81,6 +81,7 @@ OURS = [
     "glm_moe_dsa",
     "kimi_k25",
     "minicpm3",
+    "mistral3",
     "mistral4",
     "sarvam_mla",
     "youtu",
