@@ -45,7 +45,8 @@ def enable_cpu_interpreter() -> None:
     if compiled and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "liger-dspine: the CPU interpreter must be enabled before Triton kernel modules are imported; "
-            f"already imported: {', '.join(sorted(compiled)[:5])}. Set {ENV_FLAG}=1 before starting Python."
+            f"already imported: {', '.join(sorted(compiled)[:5])}. Set {ENV_FLAG}=1 before starting Python, and "
+            "import liger_dspine before transformers or liger-kernel (they import Triton's compiler)."
         )
     os.environ["TRITON_INTERPRET"] = "1"
     # The fused-MoE autotuner needs a GPU driver.

@@ -66,9 +66,9 @@ def _train_drafter(args) -> int:
     try:
         return run(args)
     except ValueError as error:
-        if not str(error).startswith("liger-dspine:"):
+        if not str(error).startswith(("liger-dspine:", "DSpine ")):  # the drafter config's own checks name DSpine
             raise
-        print(error, file=sys.stderr)
+        print(error if str(error).startswith("liger-dspine:") else f"liger-dspine: {error}", file=sys.stderr)
         return 2
 
 

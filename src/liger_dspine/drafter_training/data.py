@@ -24,8 +24,9 @@ def embedded_text_rows(seq_len: int) -> list:
     return [pack_documents([(tokens[s : s + seq_len], torch.ones(seq_len))]) for s in starts]
 
 
-def read_documents(path: str, tokenizer=None) -> list:
-    """[(token ids [S], loss mask [S]), ...] from a JSONL file (see ``--dataset``)."""
+def read_documents(path: str, tokenizer=None, vocab_size: int | None = None) -> list:
+    """[(token ids [S], loss mask [S]), ...] from a JSONL file (see ``--dataset``); with ``vocab_size``, every id
+    must be in ``[0, vocab_size)`` (a ValueError naming the line otherwise, before training starts)."""
     documents = []
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
@@ -45,6 +46,12 @@ def read_documents(path: str, tokenizer=None) -> list:
                 raise ValueError(
                     f"liger-dspine: {path}:{number} needs a non-empty list of token ids, {{'input_ids': [...]}} "
                     "or {'messages': [...]}"
+                )
+            if vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
+                bad = next(i for i in ids if not 0 <= i < vocab_size)
+                raise ValueError(
+                    f"liger-dspine: {path}:{number} has token id {bad}, outside the target's vocabulary "
+                    f"[0, {vocab_size})"
                 )
             mask = record.get("loss_mask") if isinstance(record, dict) else None
             if mask is not None and len(mask) != len(ids):

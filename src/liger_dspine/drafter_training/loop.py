@@ -91,7 +91,8 @@ def _rows(args, target):
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
     pad = getattr(tokenizer, "pad_token_id", None) or 0
-    return data.pack_rows(data.read_documents(args.dataset, tokenizer), args.seq_len, pad)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    return data.pack_rows(data.read_documents(args.dataset, tokenizer, vocab_size), args.seq_len, pad)
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -2,6 +2,7 @@
 (``config.json`` and ``model.safetensors``, what ``save_pretrained`` writes) and ``training_state.pt``: optimizer,
 scheduler, step, data position and every rank's RNG states, so that a resumed run continues exactly."""
 
+import json
 import os
 import random
 import re
@@ -71,6 +72,7 @@ def load_checkpoint(folder: str, draft, optimizer, scheduler) -> tuple[int, int]
     """Restore the drafter's weights, the optimizer, the scheduler and this rank's RNG; returns (step, position)."""
     from safetensors.torch import load_file
 
+    _check_same_config(folder, draft.config)
     weights = load_file(os.path.join(folder, "model.safetensors"), device=str(draft.device))
     draft.load_state_dict(weights, strict=True)
     state = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=False)
@@ -81,3 +83,28 @@ def load_checkpoint(folder: str, draft, optimizer, scheduler) -> tuple[int, int]
         raise ValueError(f"liger-dspine: {folder} was written by {len(state['rng'])} ranks; resume it with as many")
     _set_rng_state(state["rng"][rank])
     return state["step"], state["position"]
+
+
+# config.json entries that do not describe the drafter's computation
+_RUN_ONLY_KEYS = {
+    "transformers_version", "architectures", "auto_map", "model_type", "dtype", "torch_dtype", "_name_or_path",
+    "use_cache",
+}  # fmt: skip
+
+
+def _check_same_config(folder: str, config) -> None:
+    """Refuse to resume a checkpoint whose drafter this run's arguments would build differently (block size, target
+    layers, mask token, widths): its weights were trained for the saved one."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as file:
+        saved = json.load(file)
+    current = json.loads(config.to_json_string(use_diff=False))
+    differing = sorted(key for key in saved.keys() - _RUN_ONLY_KEYS if saved[key] != current.get(key))
+    if differing:
+        details = "; ".join(f"{key}: saved {saved[key]!r}, now {current.get(key)!r}" for key in differing)
+        raise ValueError(
+            f"liger-dspine: {folder} holds a drafter built with another configuration ({details}); resume with the "
+            "arguments it was trained with, or use another --output-dir"
+        )

@@ -4,6 +4,8 @@ from liger_kernel.transformers.rms_norm import LigerRMSNorm as _LigerKernelRMSNo
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.liger_kernel_ops import LigerRMSNormFunction
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 class LigerRMSNorm(_LigerKernelRMSNorm):
     """RMSNorm with fp32 statistics and ``weight * x_normed.to(input_dtype)`` ("llama" casting), as
@@ -29,6 +31,11 @@ class LigerRMSNorm(_LigerKernelRMSNorm):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         check_kernel_device(hidden_states, "LigerRMSNorm")
+        if hidden_states.dtype not in KERNEL_DTYPES:
+            raise TypeError(
+                f"liger-dspine: LigerRMSNorm (liger-kernel's kernel) runs in fp32, fp16 or bf16, got "
+                f"{hidden_states.dtype}; apply the patch with rms_norm=False for this dtype"
+            )
         return LigerRMSNormFunction.apply(
             hidden_states, self.weight, float(self.variance_epsilon), float(self.offset), self.casting_mode
         )

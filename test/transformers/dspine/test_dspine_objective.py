@@ -303,3 +303,43 @@ def test_bf16_weights_with_fp32_codes_stay_finite(step):
     assert torch.isfinite(out.loss) and out.loss.dtype == torch.float32
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in draft.parameters())
     assert draft.transfer_codes.dtype == torch.float32
+
+
+def test_a_target_head_or_embedding_of_another_vocabulary_is_refused_for_a_ready_drafter(target):
+    draft = make_objective(target).draft_model
+    assert bool(draft.transfer_ready)  # a loaded drafter: its transfer space is not built again from the head
+    vocab, hidden = target.lm_head.weight.shape
+    wider = torch.nn.Linear(hidden, vocab + 32, bias=False)
+    with pytest.raises(ValueError, match=rf"target_lm_head weight is \[{vocab + 32}, {hidden}\].*vocabulary {vocab}"):
+        DSpineObjective(draft, wider, target.model.embed_tokens)
+    with pytest.raises(ValueError, match="target_embed_tokens weight"):
+        DSpineObjective(draft, target.lm_head, torch.nn.Embedding(vocab - 8, hidden))
+    with pytest.raises(ValueError, match=rf"mask_token_id must be a token id in \[0, {vocab}\), got {vocab}"):
+        DSpineObjective(draft, target.lm_head, target.model.embed_tokens, mask_token_id=vocab)
+    with pytest.raises(ValueError, match="num_anchors must be an int >= 1, got 0"):
+        DSpineObjective(draft, target.lm_head, target.model.embed_tokens, num_anchors=0)
+
+
+def test_inputs_that_do_not_fit_the_models_are_named(target):
+    objective = make_objective(target)
+    vocab = target.lm_head.weight.shape[0]
+    generator = torch.Generator().manual_seed(2)
+    batch = target_batch(target, torch.randint(0, vocab, (2, 12), generator=generator))
+    good = dict(
+        input_ids=batch.input_ids,
+        hidden_states=batch.hidden_states,
+        loss_mask=batch.loss_mask,
+        target_last_hidden_states=batch.target_last_hidden_states,
+    )
+    out_of_vocabulary = batch.input_ids.clone()
+    out_of_vocabulary[1, 3] = vocab + 4
+    cases = [
+        (dict(input_ids=out_of_vocabulary), rf"input_ids must be token ids in \[0, {vocab}\).*1 are outside"),
+        (dict(hidden_states=batch.hidden_states[..., :-1]), "hidden_states must be"),
+        (dict(loss_mask=batch.loss_mask[:, :6]), "loss_mask must be"),
+        (dict(target_last_hidden_states=batch.target_last_hidden_states[:, :6]), "target_last_hidden_states must"),
+        (dict(input_ids=batch.input_ids.float()), "input_ids must be \\[B, S\\] integer token ids"),
+    ]
+    for changed, message in cases:
+        with pytest.raises(ValueError, match=message):
+            objective(**{**good, **changed})

@@ -106,6 +106,30 @@ def test_a_dataset_line_without_token_ids_is_a_clear_error(tmp_path, capsys):
     assert f"liger-dspine: {dataset}:2 needs a non-empty list of token ids" in capsys.readouterr().err
 
 
+def test_a_dataset_token_outside_the_vocabulary_is_named_before_training(tmp_path, capsys):
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5000, 6]}\n')
+    argv = ["train-drafter", "--tiny", "--no-liger", "--dataset", str(dataset), "--mask-token-id", "0"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+    assert f"liger-dspine: {dataset}:2 has token id 5000, outside the target's vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_resuming_with_another_drafter_configuration_is_refused(tmp_path, capsys):
+    common = ["train-drafter", "--tiny", "--no-liger", "--steps", "1", "--output-dir", str(tmp_path)]
+    assert main(common) == 0
+    assert main([*common, "--steps", "2", "--resume", "--block-size", "8"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the first run's progress bars
+    assert last.startswith("liger-dspine:") and "(block_size: saved 4, now 8)" in last, last
+
+
+def test_a_drafter_config_error_is_one_line(tmp_path, capsys):
+    argv = ["train-drafter", "--tiny", "--no-liger", "--output-dir", str(tmp_path), "--transfer-rank", "0"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("liger-dspine: DSpine") and error.count("\n") == 1, error
+
+
 # ------------------------------------------------------------------------------------------------------ DDP, 2 ranks
 def _objective(target):
     """Every position an anchor (N >= S) with full loss masks and no teacher forcing (no horizon): the draws do not

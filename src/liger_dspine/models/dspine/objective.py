@@ -103,6 +103,23 @@ def alignment_terms(layer_features: torch.Tensor, label_codes: torch.Tensor, fus
     return 1.0 - F.cosine_similarity(layer_features.float(), label_codes.float()[:, None], dim=-1, eps=1e-8)
 
 
+def _check_target_head(draft_model, lm_head, embed_tokens, mask_token_id) -> None:
+    """The target's head and embedding against the drafter's vocabulary and width, whether or not the drafter's
+    transfer space is ready (a loaded drafter keeps the one its target gave it)."""
+    vocab, hidden = draft_model.config.vocab_size, draft_model.config.hidden_size
+    for name, module in (("target_lm_head", lm_head), ("target_embed_tokens", embed_tokens)):
+        shape = tuple(module.weight.shape)
+        if shape != (vocab, hidden):
+            raise ValueError(
+                f"liger-dspine: DSpine {name} weight is {list(shape)}, but the drafter was built for a target with "
+                f"vocabulary {vocab} and hidden size {hidden} ([{vocab}, {hidden}])"
+            )
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab:
+        raise ValueError(
+            f"liger-dspine: DSpine mask_token_id must be a token id in [0, {vocab}), got {mask_token_id!r}"
+        )
+
+
 class DSpineObjective(nn.Module):
     """Trains a :class:`DSpineDraftModel` against a frozen target (its embedding, lm_head and hidden states).
 
@@ -154,6 +171,9 @@ class DSpineObjective(nn.Module):
         mask_token_id = draft_model.mask_token_id if mask_token_id is None else mask_token_id
         if mask_token_id is None:
             raise ValueError("DSpine needs a mask_token_id (argument or dflash_config.mask_token_id)")
+        _check_target_head(draft_model, target_lm_head, target_embed_tokens, mask_token_id)
+        if isinstance(num_anchors, bool) or not isinstance(num_anchors, int) or num_anchors < 1:
+            raise ValueError(f"DSpine num_anchors must be an int >= 1, got {num_anchors!r}")
         self.draft_model = draft_model
         self.lm_head = target_lm_head.requires_grad_(False)
         self.embed_tokens = target_embed_tokens.requires_grad_(False)
@@ -167,6 +187,38 @@ class DSpineObjective(nn.Module):
         self.head_chunk_rows = head_chunk_rows
         if not bool(draft_model.transfer_ready):
             draft_model.initialize_transfer_space(self.lm_head.weight)
+
+    def _check_inputs(self, input_ids, hidden_states, loss_mask, target_last_hidden_states) -> None:
+        """Shapes against each other and the models, and token ids against the vocabulary: a ValueError naming the
+        input, before any kernel or embedding reads them (one host synchronisation, next to the anchor count's)."""
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(
+                f"liger-dspine: DSpine input_ids must be [B, S] integer token ids, got {tuple(input_ids.shape)} "
+                f"{input_ids.dtype}"
+            )
+        batch, seq = input_ids.shape
+        taps = self.draft_model.fc.in_features
+        expected = {
+            "hidden_states": ((batch, seq, taps), hidden_states),
+            "loss_mask": ((batch, seq), loss_mask),
+            "target_last_hidden_states": ((batch, seq, self.lm_head.weight.shape[1]), target_last_hidden_states),
+        }
+        for name, (shape, tensor) in expected.items():
+            if tensor is not None and tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"liger-dspine: DSpine {name} must be {list(shape)} for input_ids {[batch, seq]} (hidden_states: "
+                    f"the {len(self.draft_model.target_layer_ids)} target layers' states concatenated), got "
+                    f"{list(tensor.shape)}"
+                )
+        vocab = self.lm_head.weight.shape[0]
+        if input_ids.numel():
+            low, high = torch.stack(input_ids.aminmax()).tolist()
+            if low < 0 or high >= vocab:
+                bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+                raise ValueError(
+                    f"liger-dspine: DSpine input_ids must be token ids in [0, {vocab}) (the target's vocabulary); "
+                    f"{bad.numel()} are outside, from {bad.min().item()} to {bad.max().item()}"
+                )
 
     def patched_fused_objective(self) -> bool:
         """The patch's choice; ``apply_liger_kernel_to_dspine(fused_objective=True)`` replaces this method."""
@@ -346,6 +398,7 @@ class DSpineObjective(nn.Module):
         if not ce_only and target_last_hidden_states is None:
             raise ValueError("DSpine objective needs target_last_hidden_states")
         draft = self.draft_model
+        self._check_inputs(input_ids, hidden_states, loss_mask, target_last_hidden_states)
         batch, seq = input_ids.shape
         block = self.block_size
         if document_ids is not None and tuple(document_ids.shape) != (batch, seq):
