@@ -78,6 +78,22 @@ def test_a_forward_hook_on_the_head_is_in_the_loss(pair, batch):
     assert_grads_close(grads, expected_grads, **FP32)
 
 
+def test_a_head_with_a_bias_is_in_the_loss(pair, batch):
+    native, patched = pair
+    head = native.lm_head
+    torch.manual_seed(3)
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+    native.lm_head, patched.lm_head = biased, copy.deepcopy(biased)
+    expected, expected_grads = loss_and_grads(native, batch[0], labels=batch[1])
+    with pytest.warns(UserWarning, match="lm_head has a bias"):
+        out, grads = loss_and_grads(patched, batch[0], labels=batch[1])
+    torch.testing.assert_close(out.loss, expected.loss, **FP32)
+    assert_grads_close(grads, expected_grads, **FP32)
+    assert grads["lm_head.bias"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("vocab_chunked", [False, True], ids=["token_chunks", "vocab_chunks"])
 @pytest.mark.parametrize("ignore_index", [-1, 0])
 def test_a_custom_ignore_index_gives_the_native_loss(native_model, batch, vocab_chunked, ignore_index):
