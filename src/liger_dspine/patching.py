@@ -207,13 +207,13 @@ def _original(module, name: str):
     return _ORIGINALS.get((module.__name__, name), getattr(module, name))
 
 
-def _swap_holder(spec: PatchSpec, swap):
-    """The object whose attribute a class-level swap rebinds, and that attribute, per target key."""
-    module = importlib.import_module(swap.module or spec.module)
+def _holder(swap, key: tuple[str, str]):
+    """``(object, attribute)`` that a class-level swap rebinds for one of its target keys (``_target_keys``); the
+    object is None where the method's owner class is missing."""
+    module = importlib.import_module(key[0])
     if isinstance(swap, ClassSwap):
-        return [((module.__name__, name), module, name) for name in swap.names]
-    owner = getattr(module, swap.owner, None)
-    return [((module.__name__, f"{swap.owner}.{swap.method}"), owner, swap.method)]
+        return module, key[1]
+    return getattr(module, swap.owner, None), swap.method
 
 
 def _check_shared_targets(spec: PatchSpec, options: dict[str, bool]) -> None:
@@ -221,9 +221,12 @@ def _check_shared_targets(spec: PatchSpec, options: dict[str, bool]) -> None:
     class-level patch holds on a class both patches share."""
     enabled = set(map(id, _enabled_swaps(spec, options)))
     for swap in spec.swaps:
-        for key, holder, attribute in _swap_holder(spec, swap):
+        for key in _target_keys(spec, swap):
             others = sorted(_HOLDERS.get(key, set()) - {spec.model_type})
-            if not others or holder is None:
+            if not others:
+                continue
+            holder, attribute = _holder(swap, key)
+            if holder is None:
                 continue
             new = load_object(swap.replacement)
             current = vars(holder).get(attribute)
@@ -279,14 +282,11 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
 
 def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
     """Put back the original of a swap whose option is off, where the global still holds its replacement."""
-    for module_name, name in _target_keys(spec, swap):
-        key = (module_name, name)
+    for key in _target_keys(spec, swap):
+        module_name, name = key
         if key not in _ORIGINALS:
             continue
-        module = importlib.import_module(module_name)
-        holder, attribute = (
-            (module, name) if isinstance(swap, ClassSwap) else (getattr(module, swap.owner), swap.method)
-        )
+        holder, attribute = _holder(swap, key)
         new = load_object(swap.replacement)
         if vars(holder).get(attribute) is not new:
             continue  # another swap of the same target holds it now
@@ -303,12 +303,7 @@ def revert_class_level(spec: PatchSpec) -> list[str]:
     class-level patch still holds; returns the restored targets."""
     restored = []
     for swap in spec.swaps:
-        module_name = swap.module or spec.module
-        if isinstance(swap, ClassSwap):
-            keys = [(module_name, name) for name in swap.names]
-        else:
-            keys = [(module_name, f"{swap.owner}.{swap.method}")]
-        for key in keys:
+        for key in _target_keys(spec, swap):
             if key not in _ORIGINALS:
                 continue
             holders = _HOLDERS.get(key, set())
@@ -316,12 +311,8 @@ def revert_class_level(spec: PatchSpec) -> list[str]:
             if holders:
                 continue  # another patch applied this swap too and still holds it
             _HOLDERS.pop(key, None)
-            original = _ORIGINALS.pop(key)
-            module = importlib.import_module(key[0])
-            if isinstance(swap, ClassSwap):
-                setattr(module, key[1], original)
-            else:
-                setattr(getattr(module, swap.owner), swap.method, original)
+            holder, attribute = _holder(swap, key)
+            setattr(holder, attribute, _ORIGINALS.pop(key))
             restored.append(f"{key[0]}.{key[1]}")
     return restored
 
@@ -398,11 +389,7 @@ def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Modu
     native class with a forward of its own, one the replacement's ``check_convertible`` refuses, a module of a class
     another package's patch put in transformers' place, or a model whose class overrides a method a swap binds."""
     # modules this call first turns back to their native class (an option now off), then converts again
-    undone = {
-        load_object(swap.replacement)
-        for swap in _disabled_swaps(spec, options)
-        if isinstance(swap, ClassSwap) and isinstance(native_class(spec, swap), type)
-    }
+    undone = {new for _, _, new in _class_swaps_turned_back(spec, options)}
     for swap in _enabled_swaps(spec, options):
         if isinstance(swap, MethodSwap):
             _check_method_not_overridden(spec, swap, model)
@@ -455,13 +442,7 @@ def _check_method_not_overridden(spec: PatchSpec, swap: MethodSwap, model: nn.Mo
 def _check_undoable(spec: PatchSpec, options: dict[str, bool], model: nn.Module) -> None:
     """Refuse, before anything changes, to turn back a module that was built as its replacement (under a
     class-level patch): it has no native class to return to."""
-    for swap in _disabled_swaps(spec, options):
-        if not isinstance(swap, ClassSwap):
-            continue
-        old = native_class(spec, swap)
-        if not isinstance(old, type):
-            continue
-        new = load_object(swap.replacement)
+    for swap, old, new in _class_swaps_turned_back(spec, options):
         for path, module in model.named_modules():
             if type(module) is new and _CONVERTED_FROM not in module.__dict__:
                 raise ValueError(
@@ -469,6 +450,16 @@ def _check_undoable(spec: PatchSpec, options: dict[str, bool], model: nn.Module)
                     f"patch), so it cannot be turned back into {old.__name__} with {swap.option}=False; revert the "
                     "class-level patch and build the model again; nothing was patched"
                 )
+
+
+def _class_swaps_turned_back(spec: PatchSpec, options: dict[str, bool]):
+    """``(swap, native class, replacement)`` of every class swap whose option is off: what an instance call turns
+    back to its native class."""
+    for swap in _disabled_swaps(spec, options):
+        if isinstance(swap, ClassSwap):
+            old = native_class(spec, swap)
+            if isinstance(old, type):
+                yield swap, old, load_object(swap.replacement)
 
 
 def _bound_method(instance, method: str):
@@ -479,10 +470,7 @@ def _bound_method(instance, method: str):
 
 def _effective_method(instance, method: str):
     """The function ``instance.method`` calls: its own bound one, else its class's."""
-    bound = vars(instance).get(method)
-    if isinstance(bound, MethodType):
-        return bound.__func__
-    return getattr(type(instance), method)
+    return _bound_method(instance, method) or getattr(type(instance), method)
 
 
 def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchReport) -> None:

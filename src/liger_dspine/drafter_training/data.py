@@ -47,8 +47,8 @@ def read_documents(path: str, tokenizer=None, vocab_size: int | None = None) -> 
                     f"liger-dspine: {path}:{number} needs a non-empty list of token ids, {{'input_ids': [...]}} "
                     "or {'messages': [...]}"
                 )
-            if vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
-                bad = next(i for i in ids if not 0 <= i < vocab_size)
+            bad = None if vocab_size is None else next((i for i in ids if not 0 <= i < vocab_size), None)
+            if bad is not None:
                 raise ValueError(
                     f"liger-dspine: {path}:{number} has token id {bad}, outside the target's vocabulary "
                     f"[0, {vocab_size})"
