@@ -35,8 +35,26 @@ DEFAULTS = dict(
     transfer_rank=1024,
     message_size=512,
     top_k=16,
+    drafter_layers=2,
+    alignment_warmup_steps=0,
     dtype="auto",
 )
+# The drafter's sizes: --drafter-config fixes them all, so none may be given with it.
+DRAFTER_SIZE_OPTIONS = (
+    "drafter_layers",
+    "block_size",
+    "drafter_heads",
+    "drafter_kv_heads",
+    "drafter_head_dim",
+    "drafter_intermediate_size",
+    "transfer_rank",
+    "message_size",
+    "top_k",
+    "target_layer_ids",
+    "alignment_warmup_steps",
+)
+# Sizes whose default is cut to what a small target allows; a value given on the command line is never cut.
+FITTED_TO_TARGET = ("transfer_rank", "top_k")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--batch-size", type=int, help="rows per micro-batch and rank")
     drafter = parser.add_argument_group("drafter")
     drafter.add_argument("--drafter-config", help="a DSpine drafter config.json (SpecForge's layout); else the sizes")
-    drafter.add_argument("--drafter-layers", type=int, default=2)
+    drafter.add_argument("--drafter-layers", type=int, help="default 2")
     drafter.add_argument("--block-size", type=int)
     drafter.add_argument("--drafter-heads", type=int)
     drafter.add_argument("--drafter-kv-heads", type=int)
@@ -80,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     drafter.add_argument("--target-layer-ids", help="comma-separated target layers to tap, e.g. 0,1,2,3")
     drafter.add_argument("--mask-token-id", type=int)
     drafter.add_argument(
-        "--alignment-warmup-steps", type=int, default=0, help="steps of the alignment weight's ramp (SpecForge: 146)"
+        "--alignment-warmup-steps", type=int, help="steps of the alignment weight's ramp (default 0; SpecForge: 146)"
     )
     drafter.add_argument("--num-anchors", type=int, help="blocks drawn per row at most")
     optim = parser.add_argument_group("optimisation")
@@ -111,6 +129,14 @@ def fail(message: str):
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the preset's and the defaults' values, parse the lists, and check everything that needs no model."""
     preset = TINY if args.tiny else {}
+    args.given = frozenset(key for key in vars(args) if key != "given" and getattr(args, key) is not None)
+    if args.drafter_config:
+        sizes = [name for name in DRAFTER_SIZE_OPTIONS if name in args.given]
+        if sizes:
+            fail(
+                f"--drafter-config fixes the drafter's sizes: leave out --{sizes[0].replace('_', '-')} (edit the "
+                "config instead)"
+            )
     for key, value in {**DEFAULTS, **preset}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)

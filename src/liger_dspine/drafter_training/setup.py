@@ -74,7 +74,12 @@ def drafter_config(args, target):
     kv_heads = args.drafter_kv_heads or max(1, heads // 4)
     taps = args.target_layer_ids or build_target_layer_ids(target_layers, layers)
     if any(not 0 <= i < target_layers for i in taps):
-        raise ValueError(f"liger-dspine: --target-layer-ids {taps} must lie in [0, {target_layers})")
+        if args.target_layer_ids:
+            raise ValueError(f"liger-dspine: --target-layer-ids {taps} must lie in [0, {target_layers})")
+        raise ValueError(
+            f"liger-dspine: the default taps of a {layers}-layer drafter, {taps}, do not fit a {target_layers}-layer "
+            "target: give --target-layer-ids"
+        )
     if heads % kv_heads and args.drafter_attention != "mla":
         raise ValueError(f"liger-dspine: --drafter-heads {heads} is not a multiple of --drafter-kv-heads {kv_heads}")
     mla_fields, mla_dflash = mla_options(args, target.config) if args.drafter_attention == "mla" else ({}, {})
@@ -92,12 +97,19 @@ def drafter_config(args, target):
         num_target_layers=target_layers,
         dflash_config={"mask_token_id": mask_token_id(args, None), "target_layer_ids": list(taps), **mla_dflash},
         dspine_config={
-            "transfer_rank": min(args.transfer_rank, hidden, vocab - 1),
+            "transfer_rank": fitted(args, "transfer_rank", min(hidden, vocab - 1)),
             "message_size": args.message_size,
-            "top_k": min(args.top_k, vocab),
+            "top_k": fitted(args, "top_k", vocab),
             "alignment_warmup_steps": args.alignment_warmup_steps,
         },
     )
+
+
+def fitted(args, name: str, bound: int) -> int:
+    """A default cut to ``bound`` (what the target allows); a value the command line gave is kept as given, so the
+    drafter config names it if it is too large."""
+    value = getattr(args, name)
+    return value if name in getattr(args, "given", ()) else min(value, bound)
 
 
 def mla_options(args, target_config) -> tuple[dict, dict]:

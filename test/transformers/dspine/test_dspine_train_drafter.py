@@ -8,6 +8,7 @@ import argparse
 import csv
 import os
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,12 +91,34 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(tmp_path
         (["--tiny", "--block-size", "1"], "--block-size must be >= 2"),
         (["--tiny", "--target-layer-ids", "0,x"], "comma-separated integers"),
         (["--tiny", "--target-layer-ids", "0,7"], "must lie in [0, 2)"),
+        (["--target-config", "tiny"], "default taps of a 2-layer drafter, [1, -1], do not fit a 2-layer target"),
+        (
+            ["--tiny", "--transfer-rank", "100"],
+            "transfer_rank must be in (0, min(hidden_size, vocab_size - 1)] = (0, 64], got 100",
+        ),
+        (["--tiny", "--top-k", "300"], "top_k must be in [1, vocab_size=256], got 300"),
+        (["--tiny", "--drafter-config", __file__, "--top-k", "4"], "fixes the drafter's sizes: leave out --top-k"),
+        (["--tiny", "--drafter-config", __file__, "--drafter-layers", "3"], "leave out --drafter-layers"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path, capsys, argv, message):
     assert main(["train-drafter", "--no-liger", "--output-dir", str(tmp_path), *argv]) == 2
     error = capsys.readouterr().err
     assert error.startswith("liger-dspine:") and message in error, error
+
+
+def test_default_sizes_are_fitted_to_a_small_target_and_given_sizes_are_kept():
+    from liger_dspine.drafter_training.setup import drafter_config
+
+    target = SimpleNamespace(config=SimpleNamespace(hidden_size=64, vocab_size=256, num_hidden_layers=2))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    # Full-size defaults: transfer rank 1024, top-k 16.
+    full_size = resolve(parser.parse_args(["--target-config", "tiny", "--target-layer-ids", "0,1"]))
+    default = drafter_config(full_size, target).dspine_options
+    assert (default.transfer_rank, default.top_k) == (64, 16)
+    given = drafter_config(parse("--transfer-rank", "32", "--top-k", "256"), target).dspine_options
+    assert (given.transfer_rank, given.top_k) == (32, 256)
 
 
 def test_a_dataset_line_without_token_ids_is_a_clear_error(tmp_path, capsys):
