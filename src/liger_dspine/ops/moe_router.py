@@ -259,9 +259,11 @@ SCORE_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 GROUP_SCORES = ("top2", "max")
 
 
-def _check_config(
-    num_experts: int, top_k: int, n_group: int, topk_group: int, score_func: str, group_score: str
+def check_router_config(
+    num_experts: int, top_k: int, n_group: int, topk_group: int, score_func: str = "sigmoid", group_score: str = "top2"
 ) -> None:
+    """A ValueError naming the first setting the grouped top-k selection cannot honour (a router module's own check
+    before a patch, and the kernel's on every call)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"liger-dspine: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if group_score not in GROUP_SCORES:
@@ -314,7 +316,7 @@ def moe_router_forward(
         raise ValueError(
             f"liger-dspine: e_score_correction_bias must have shape ({num_experts},), got {tuple(bias.shape)}"
         )
-    _check_config(num_experts, top_k, n_group, topk_group, score_func, group_score)
+    check_router_config(num_experts, top_k, n_group, topk_group, score_func, group_score)
     check_kernel_device(router_logits, "the MoE router kernel")
     if bias is not None:
         bias = bias.to(device=router_logits.device, dtype=torch.float32)

@@ -20,6 +20,7 @@ from the router instance (the newer one sets ``num_group``).
 import torch
 import torch.nn.functional as F
 
+from liger_dspine.ops.moe_router import check_router_config
 from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
 
@@ -47,6 +48,20 @@ class LigerSoftmaxTopkRouter:
 
     logits_in_fp32 = True
 
+    def _selection(self) -> dict:
+        topk_method = getattr(self, "topk_method", None)
+        if topk_method is None:
+            return dict(n_group=self.num_group, topk_group=self.topk_group, group_score="top2")
+        return deepseek_v2_selection(topk_method, self.num_group, self.topk_group)
+
+    @classmethod
+    def check_convertible(cls, module: torch.nn.Module) -> None:
+        """Refuse, before a patch, a selection the kernel cannot honour (checked by the MoE block's method before
+        transformers 5.13, where the router holds no grouping)."""
+        if hasattr(module, "num_group"):
+            selection = cls._selection(module)
+            check_router_config(module.weight.shape[0], module.top_k, score_func="softmax", **selection)
+
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.view(-1, self.weight.shape[1])
         if self.logits_in_fp32:
@@ -56,11 +71,7 @@ class LigerSoftmaxTopkRouter:
         if not hasattr(self, "num_group"):
             # transformers < 5.13 (Mistral-Small-4): the MoE block routes (see liger_top2_route_tokens_to_experts).
             return router_logits
-        topk_method = getattr(self, "topk_method", None)
-        if topk_method is None:
-            selection = dict(n_group=self.num_group, topk_group=self.topk_group, group_score="top2")
-        else:
-            selection = deepseek_v2_selection(topk_method, self.num_group, self.topk_group)
+        selection = self._selection()
         topk_weights, topk_indices = liger_moe_router_topk(
             router_logits,
             None,

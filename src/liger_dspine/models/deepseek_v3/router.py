@@ -20,6 +20,7 @@ score, largest first (transformers leaves the order unspecified; the experts com
 import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from liger_dspine.ops.moe_router import check_router_config
 from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
 
@@ -30,6 +31,13 @@ class LigerTopkRouter:
 
     Same parameters and buffers as the native router (``weight [E, H]``, ``e_score_correction_bias [E]``).
     """
+
+    @staticmethod
+    def check_convertible(module: torch.nn.Module) -> None:
+        """Refuse, before a patch, a grouping the kernel cannot honour (checked by the MoE block's method before
+        transformers 5.13, where the router holds no grouping)."""
+        if hasattr(module, "num_group"):
+            check_router_config(module.weight.shape[0], module.top_k, module.num_group, module.topk_group)
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.view(-1, self.weight.shape[1])
