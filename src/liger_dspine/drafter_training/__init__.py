@@ -8,13 +8,14 @@ trains with DDP (one gradient all-reduce per accumulation window).
 def run(args) -> int:
     """Resolve ``args`` (parsed with ``options.add_arguments``), train, return an exit status."""
     import logging
+    import os
 
     from liger_dspine.drafter_training.loop import train_drafter
     from liger_dspine.drafter_training.options import resolve
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     history = train_drafter(resolve(args))
-    if history:
+    if history and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
         last = history[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}, checkpoints in {args.output_dir}")
     return 0

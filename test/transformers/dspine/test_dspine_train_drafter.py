@@ -60,6 +60,14 @@ def test_tiny_run_writes_a_specforge_checkpoint_and_the_loss_falls(tmp_path):
     assert report.ok, report
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_only_rank_0_prints_the_final_line(tmp_path, capsys, monkeypatch, rank):
+    monkeypatch.setenv("RANK", rank)  # WORLD_SIZE unset: one process, as a torchrun rank would report
+    assert main(["train-drafter", "--tiny", "--no-liger", "--steps", "1", "--output-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert ("step 1: loss" in printed) == (rank == "0"), printed
+
+
 def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(tmp_path):
     """Bit-equal: the resumed run restores weights (fp32 safetensors), AdamW and scheduler state, the RNG (anchor and
     teacher-forcing draws) and the data position, and runs the same fp32 CPU kernels in the same order."""
