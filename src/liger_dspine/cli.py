@@ -102,7 +102,8 @@ def _inspect(config_arg: str) -> int:
         config = AutoConfig.for_model(config_arg, **_PATCHED_DEFAULTS.get(config_arg, {}))
         filled = _fill_unset_expert_counts(config.get_text_config(decoder=True))
         if filled:
-            print(f"(the default {type(config).__name__} leaves {', '.join(filled)} unset: 1 is taken to build it)")
+            taken = ", ".join(f"{name}={value}" for name, value in filled.items())
+            print(f"(the default {type(config).__name__} leaves expert counts unset; taken to build it: {taken})")
     with torch.device("meta"):
         model = causal_lm_from_config(config)
     print(apply_liger_kernel_to_instance(model))
@@ -112,14 +113,18 @@ def _inspect(config_arg: str) -> int:
 # by model type: what the default config needs to be the model the patch covers (mistral3: Mistral-Small-4)
 _PATCHED_DEFAULTS = {"mistral3": {"text_config": {"model_type": "mistral4"}}}
 
-# expert counts some configs leave None by default (Dots1Config); the modules they size are built all the same
-_EXPERT_COUNTS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts")
 
-
-def _fill_unset_expert_counts(config) -> list[str]:
-    filled = [name for name in _EXPERT_COUNTS if hasattr(config, name) and getattr(config, name) is None]
-    for name in filled:
-        setattr(config, name, 1)
+def _fill_unset_expert_counts(config) -> dict[str, int]:
+    """Expert counts some configs leave None by default (Dots1Config), set to the smallest a grouped router takes
+    (two experts per group); the modules they size are built all the same."""
+    smallest = {
+        "n_routed_experts": 2 * (getattr(config, "n_group", None) or 1),
+        "num_experts_per_tok": 1,
+        "n_shared_experts": 1,
+    }
+    filled = {name: n for name, n in smallest.items() if hasattr(config, name) and getattr(config, name) is None}
+    for name, value in filled.items():
+        setattr(config, name, value)
     return filled
 
 
