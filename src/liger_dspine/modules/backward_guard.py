@@ -14,6 +14,7 @@ backward waits for nothing.
 
 import torch
 
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.second_pass import ScaledOnce
 
 
@@ -33,6 +34,7 @@ class _NoteScaledFunction(_GuardFunction):
     """On the kernel's loss: its backward notes a gradient other than 1 (the kernel then scales)."""
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         ctx.state.note(grad)
         return grad, None
@@ -42,6 +44,7 @@ class _RefuseAfterScaledFunction(_GuardFunction):
     """On the caller's loss: its backward refuses a pass after the kernel scaled its saved gradient."""
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         ctx.state.refuse_if_scaled()
         return grad, None

@@ -5,6 +5,7 @@ from torch import nn
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import expert_sizes
+from liger_dspine.ops.first_order import first_order_boundary
 
 
 class LigerFusedExperts(nn.Module):
@@ -44,4 +45,5 @@ class LigerFusedExperts(nn.Module):
         index = top_k_index.reshape(-1, top_k_index.shape[-1]).to(torch.int32)
         weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
         out = LigerFusedMoEFunction.apply(x, self.gate_up_proj, self.down_proj, index, weights)
+        out = first_order_boundary(out, "liger-kernel's LigerFusedMoEFunction")
         return out.view(shape)

@@ -6,6 +6,7 @@ from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.ops.clamped_silu_mul import liger_clamped_silu_mul
+from liger_dspine.ops.first_order import first_order_boundary
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
 
 
@@ -61,7 +62,8 @@ class LigerSwiGLUMLP(nn.Module):
         if limit is not None:
             return self.down_proj(liger_clamped_silu_mul(gate, up, limit))
         if not runs_plain_linear(self.down_proj):
-            return self.down_proj(LigerSiLUMulFunction.apply(gate, up))
+            act = first_order_boundary(LigerSiLUMulFunction.apply(gate, up), "liger-kernel's LigerSiLUMulFunction")
+            return self.down_proj(act)
         if self.down_proj.bias is not None:
             raise ValueError("liger-dspine: LigerSwiGLUMLP fuses a down_proj without bias; this one has a bias")
         # gate and up are this forward's own intermediates: the backward may write their gradients over them,

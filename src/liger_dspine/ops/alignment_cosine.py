@@ -17,6 +17,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import kernel_runs_on
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 
 _BLOCK_R = 1024
 
@@ -125,6 +126,7 @@ class LigerAlignmentCosineFunction(torch.autograd.Function):
         return _alignment_forward(features, codes, eps)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         features, codes = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import kernel_runs_on
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 
 _TORCH_BLOCK_BYTES = 128 * 2**20
 # forward: (BLOCK_H, num_warps); backward: (BLOCK_H, BLOCK_H tiles per program (0: the whole row), num_warps)
@@ -173,6 +174,7 @@ class LigerCandidateScoresFunction(torch.autograd.Function):
         return scores
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_scores):
         weight, ids = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:

@@ -10,6 +10,7 @@ Saved for backward: the joined rows, as the native MLP saves gate and up.
 
 import torch
 
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.grouped_experts import silu_mul
 from liger_dspine.ops.grouped_experts import silu_mul_backward
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows
@@ -32,6 +33,7 @@ class LigerClampedSiLUMulFunction(torch.autograd.Function):
         return act.view(gate.shape)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_act):
         (gate_up,) = ctx.saved_tensors
         width = gate_up.shape[1] // 2

@@ -18,6 +18,7 @@ import torch
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
 from liger_dspine.ops.frozen_head_kernels import chunk_passes
@@ -156,6 +157,7 @@ class LigerFrozenHeadLossFunction(torch.autograd.Function):
         return (loss, *terms)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss, *_unused):
         (grad_input,) = ctx.saved_tensors
         if grad_input is None:

@@ -30,6 +30,7 @@ import torch
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.frozen_head_kernels import IGNORE_INDEX
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
@@ -155,6 +156,7 @@ class LigerFrozenHeadTermsFunction(torch.autograd.Function):
         return ce, correct, l1, ids, probs
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_ce, _grad_correct, grad_l1=None, _grad_ids=None, _grad_probs=None):
         draft_hidden, head_weight, labels, teacher_hidden, draft_lse, teacher_lse, sign_mass = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:

@@ -15,6 +15,8 @@ sdpa as before.
 import torch
 from torch.nn.attention import SDPBackend
 
+from liger_dspine.ops.first_order import first_order_only
+
 
 def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, N / groups, K, D] -> [B, N, K, D], head h reading key-value head h // groups."""
@@ -45,6 +47,7 @@ class LigerGroupedAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         query, key, value, bias, out, lse, seed, offset = ctx.saved_tensors
         groups = ctx.groups

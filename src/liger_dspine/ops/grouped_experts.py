@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from packaging.version import Version
 
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward
@@ -255,6 +256,7 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows a single unpack
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]

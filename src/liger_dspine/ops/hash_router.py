@@ -12,6 +12,7 @@ NaN logits only, since the score function's derivative there is NaN).
 import torch
 import torch.nn.functional as F
 
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.moe_router import moe_router_backward
 
 HASH_SCORE_FUNCS = ("sigmoid", "sqrtsoftplus")
@@ -42,6 +43,7 @@ class LigerHashRouterFunction(torch.autograd.Function):
         return weights
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_weights):
         scores, indices, nan_counts = ctx.saved_tensors
         grad_logits = None

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 
 _TILE = 4096  # elements of the widest [heads, columns] tile a program handles per step
 _NUM_WARPS = 4
@@ -500,6 +501,7 @@ class LigerInterleavedRopeFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out: torch.Tensor):
         cos, sin = ctx.saved_tensors
         grad_out = _last_dim_unit(grad_out)
@@ -531,6 +533,7 @@ class LigerMLAQueryFunction(torch.autograd.Function):
         return query
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_query: torch.Tensor):
         cos, sin = ctx.saved_tensors
         nope = ctx.nope
@@ -581,6 +584,7 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         return key, value
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
         cos, sin = ctx.saved_tensors if ctx.rotated else (None, None)
         grad_key = _last_dim_unit(grad_key)

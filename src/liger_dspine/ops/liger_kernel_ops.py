@@ -34,6 +34,7 @@ from liger_kernel.ops.utils import element_mul_kernel
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.second_pass import ScaledOnce
 
 _FP32_STATS_MODES = ("llama", "gemma")
@@ -106,6 +107,7 @@ class LigerRMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_y):
         x, weight, rstd = ctx.saved_tensors
         need_weight = weight is not None and ctx.needs_input_grad[1]
@@ -209,6 +211,7 @@ class LigerFusedLinearCrossEntropyOpFunction(torch.autograd.Function):
         return loss, accuracy
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss, _grad_accuracy):
         grad_hidden, grad_weight = ctx.saved_tensors
         grad_hidden = grad_hidden * grad_loss
@@ -242,6 +245,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @amp_custom_bwd
+    @first_order_only
     def backward(ctx, grad_loss, _grad_accuracy):
         ctx.second_pass.refuse_if_scaled()
         grad_hidden, grad_weight = ctx.saved_tensors

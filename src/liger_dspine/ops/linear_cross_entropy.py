@@ -49,6 +49,7 @@ from packaging.version import Version
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 
 IGNORE_INDEX = -100
@@ -299,6 +300,7 @@ class LigerVocabChunkedLinearCrossEntropyFunction(torch.autograd.Function):
         return loss, token_accuracy
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss, _grad_accuracy):
         hidden, weight, targets, lse, scale = ctx.saved_tensors
         hidden_needs_grad, weight_needs_grad = ctx.needs_input_grad[:2]

@@ -26,6 +26,7 @@ import triton.language as tl
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine._interpreter import kernel_runs_on
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.precompile import precompile
 
 
@@ -386,6 +387,7 @@ class LigerMaskedAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse, key_tiles, key_counts, query_tiles, query_counts = ctx.saved_tensors
         if grad_out.stride(3) != 1:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.mhc_projection import liger_mhc_projection
 from liger_dspine.ops.precompile import precompile
 
@@ -206,6 +207,7 @@ class LigerMHCSinkhornFunction(torch.autograd.Function):
         return pre, post, comb
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_pre, grad_post, grad_comb):
         mix, base, scale = ctx.saved_tensors
         hc = _streams(mix.shape[1])

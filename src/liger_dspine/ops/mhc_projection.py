@@ -19,6 +19,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.precompile import precompile
 
 BLOCK_ROWS = 32
@@ -147,6 +148,7 @@ class LigerMHCProjectionFunction(torch.autograd.Function):
         return mix, invr
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_mix, _grad_invr):
         x, fn, mix, invr = ctx.saved_tensors
         grad_x, grad_fn = _mhc_projection_backward(x, fn, mix, invr, grad_mix.float().contiguous())

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.precompile import precompile
 
 BLOCK_T = 4
@@ -243,6 +244,7 @@ class LigerMHCCollapseFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         x, pre = ctx.saved_tensors
         return _mhc_collapse_backward(x, pre, grad_out.contiguous())
@@ -266,6 +268,7 @@ class LigerMHCMixFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         x, f, post, comb = ctx.saved_tensors
         return _mhc_mix_backward(x, f, post, comb, grad_out.contiguous())

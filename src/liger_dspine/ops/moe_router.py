@@ -49,6 +49,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 
 _FORWARD_TILE = 2048  # logits per program in the forward (tokens x padded experts)
 _BACKWARD_TILE = 4096  # gradient entries per program in the backward
@@ -512,6 +513,7 @@ class LigerMoeRouterFunction(torch.autograd.Function):
         return weights, indices
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_weights, _grad_indices):
         topk_scores, indices, nan_counts, *softmax_state = ctx.saved_tensors
         router_logits, row_lse = softmax_state if softmax_state else (None, None)
@@ -581,6 +583,7 @@ class LigerRouterLogitsFunction(torch.autograd.Function):
         return hidden_states.float().mm(weight.float().t())
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_logits):
         hidden_states, weight = ctx.saved_tensors
         grad_hidden = grad_weight = None

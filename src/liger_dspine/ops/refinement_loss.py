@@ -26,6 +26,7 @@ import triton.language as tl
 
 from liger_dspine.ops import candidate_scores
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 
 _BLOCK_ROWS = 64
 
@@ -159,6 +160,7 @@ class LigerRefinementLossFunction(torch.autograd.Function):
         return ref, covered
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_ref, _grad_covered):
         weight, ids, unit_grad = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:

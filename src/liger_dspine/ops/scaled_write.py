@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from liger_dspine.ops.first_order import first_order_only
+
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """fp32, or the input's own dtype when it is wider (fp64)."""
@@ -40,6 +42,7 @@ class LigerScaledWriteFunction(torch.autograd.Function):
         return states + rms.to(states.dtype) * delta
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         states, message, weight, rms = ctx.saved_tensors
         dtype = ctx.delta_dtype  # the forward's GEMM dtype (autocast is off in the backward)
@@ -74,6 +77,7 @@ class LigerUnitFeatureFunction(torch.autograd.Function):
         return (scale * projected.to(wide) * inverse).to(projected.dtype)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         projected, inverse = ctx.saved_tensors
         unit = projected.to(inverse.dtype) * inverse

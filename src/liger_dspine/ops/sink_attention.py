@@ -29,6 +29,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.precompile import precompile
 
 BLOCK_Q = 16
@@ -440,6 +441,7 @@ class LigerSinkAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         q, kv, sinks, mask, bias, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()

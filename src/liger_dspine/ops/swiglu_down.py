@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.liger_kernel_ops import silu_mul
 from liger_dspine.ops.liger_kernel_ops import silu_mul_backward_
@@ -67,6 +68,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_out):
         if ctx.overwritten:
             raise RuntimeError(

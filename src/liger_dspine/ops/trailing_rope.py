@@ -20,6 +20,7 @@ import triton.language as tl
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.eager_dispatch import liger_custom_op
+from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.precompile import precompile
 
 ROWS = 4  # head vectors per program
@@ -180,6 +181,7 @@ class LigerTrailingRopeFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         x, rstd, cos, sin = ctx.saved_tensors
         grad = grad.contiguous()

@@ -420,6 +420,17 @@ def test_every_autograd_function_names_kernel_ops_with_fake_implementations():
             assert OPDEFS[name]._abstract_fn is not None, f"{name} has no fake implementation"
 
 
+def test_every_autograd_function_refuses_a_graph_building_backward():
+    """Their backwards compute from what the forward kept, so second-order terms through them would be missing."""
+    functions = package_functions()
+    with_backward = {c for f in functions for c in (f, *f.__subclasses__()) if "backward" in vars(c)}
+    assert len(with_backward) >= 25
+    for cls in with_backward:
+        assert getattr(cls.backward, "first_order_only", False), (
+            f"{cls.__module__}.{cls.__qualname__}.backward is not wrapped in ops.first_order.first_order_only"
+        )
+
+
 def test_every_custom_op_has_a_fake_implementation_and_a_fake_test():
     package_functions()
     ops = {name for name in OPDEFS if name.startswith(NAMESPACE)}

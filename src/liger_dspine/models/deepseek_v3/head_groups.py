@@ -23,6 +23,8 @@ tokens for 128 heads), and their gradients as much again in the backward.
 
 import torch
 
+from liger_dspine.ops.first_order import first_order_only
+
 # Per-head bytes (query, key, value, output) one group may hold, by mode; the group is the largest power-of-two
 # head count under it (at least one head). Kept graphs use larger groups: only the backward's transients shrink.
 RECOMPUTE_GROUP_BYTES = 256 * 2**20
@@ -94,6 +96,7 @@ class LigerHeadGroupedAttentionFunction(torch.autograd.Function):
         return torch.nn.functional.linear(out.flatten(2), o_weight)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_y):
         device_type, dtype, enabled = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # a recompute casts as the forward did
