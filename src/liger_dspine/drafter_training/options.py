@@ -53,8 +53,6 @@ DRAFTER_SIZE_OPTIONS = (
     "target_layer_ids",
     "alignment_warmup_steps",
 )
-# Sizes whose default is cut to what a small target allows; a value given on the command line is never cut.
-FITTED_TO_TARGET = ("transfer_rank", "top_k")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
