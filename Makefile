@@ -9,7 +9,7 @@ REQUIREMENTS ?= requirements/ci.txt
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-MATRIX_VERSIONS ?= 5.8.1 5.17
+MATRIX_VERSIONS ?= 5.8.1 5.17 5.24
 
 .PHONY: demo test test-fast test-matrix test-gpu-stack test-convergence checkstyle format bench setup clean
 

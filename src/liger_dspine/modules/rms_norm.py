@@ -3,6 +3,7 @@ from liger_kernel.transformers.rms_norm import LigerRMSNorm as _LigerKernelRMSNo
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.liger_kernel_ops import LigerRMSNormFunction
+from liger_dspine.transformers_compat import norm_epsilon
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -21,10 +22,7 @@ class LigerRMSNorm(_LigerKernelRMSNorm):
 
     @classmethod
     def convert(cls, module: torch.nn.Module) -> None:
-        eps = getattr(module, "variance_epsilon", None)
-        if eps is None:
-            eps = getattr(module, "eps")
-        module.variance_epsilon = eps
+        module.variance_epsilon = norm_epsilon(module)
         module.offset, module.casting_mode, module.in_place, module.row_mode = 0.0, "llama", False, None
         module.elementwise_affine = module.weight is not None
         module.__class__ = cls

@@ -17,21 +17,20 @@ window only) and a head dim that is a power of two; elsewhere (decoding with a p
 implementation) the module runs the native forward.
 """
 
-import inspect
 import sys
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.transformers_compat import cache_argument_name
+from liger_dspine.transformers_compat import norm_epsilon
 
 
 class LigerDeepseekV4Attention(DeepseekV4Attention):
     """V4 attention with :func:`liger_sink_attention`; parameters and submodules as the native class."""
 
-    # the cache argument of the native forward: "past_key_values" in transformers 5.17, "cache" in 5.24
-    _native_parameters = inspect.signature(DeepseekV4Attention.forward).parameters
-    native_cache_arg = "cache" if "cache" in _native_parameters else "past_key_values"
+    native_cache_arg = cache_argument_name(DeepseekV4Attention.forward)
     cache_update_takes_kwargs = native_cache_arg == "cache"  # transformers 5.24 hands its kwargs to cache.update
     modeling = sys.modules[DeepseekV4Attention.__module__]
 
@@ -62,7 +61,9 @@ class LigerDeepseekV4Attention(DeepseekV4Attention):
         cos, sin = angles[self.rope_layer_type] if isinstance(angles, dict) else angles
         q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
         # the query heads' weightless norm and RoPE in one pass; [B, N, S, D] as a view of [B, S, N, D]
-        q = liger_trailing_rope(self.q_b_proj(q_residual).view(*hidden_shape), cos, sin, eps=self.q_b_norm.eps)
+        q = liger_trailing_rope(
+            self.q_b_proj(q_residual).view(*hidden_shape), cos, sin, eps=norm_epsilon(self.q_b_norm)
+        )
         q = q.transpose(1, 2)
         kv = rotate(self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2), cos, sin)
         if cache is not None:  # no past here: the update stores the window and returns kv as it is

@@ -23,6 +23,7 @@ from liger_dspine.ops.mhc_coefficients import liger_mhc_coefficients
 from liger_dspine.ops.mhc_projection import liger_mhc_projection
 from liger_dspine.ops.mhc_streams import liger_mhc_collapse
 from liger_dspine.ops.mhc_streams import liger_mhc_mix
+from liger_dspine.transformers_compat import norm_epsilon
 
 
 def _coefficients(connection, streams: torch.Tensor):
@@ -33,7 +34,7 @@ def _coefficients(connection, streams: torch.Tensor):
         connection.base,
         connection.scale,
         connection.hc_sinkhorn_iters,
-        rms_eps=connection.input_norm.eps,
+        rms_eps=norm_epsilon(connection.input_norm),
         pre_eps=connection.hc_eps,
         sinkhorn_eps=connection.hc_eps,
         post_mult=2.0,
@@ -73,7 +74,7 @@ class LigerDeepseekV4HyperHead(DeepseekV4HyperHead):
         if not _kernels_apply(x):
             return super().forward(x)
         hc, width = x.shape[-2], x.shape[-2] * x.shape[-1]
-        mix, _ = liger_mhc_projection(x.reshape(-1, width), self.hc_fn, self.input_norm.eps)
+        mix, _ = liger_mhc_projection(x.reshape(-1, width), self.hc_fn, norm_epsilon(self.input_norm))
         pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return liger_mhc_collapse(x, pre.view(*x.shape[:-2], hc))
 
