@@ -333,3 +333,22 @@ def test_import_succeeds_with_unsupported_versions():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert "liger-kernel >= 0.8.5, < 0.9; found 0.7.0" in report["error"]
     assert report["kernels_imported"] == []
+
+
+@pytest.mark.parametrize(
+    ("package", "version", "warns"),
+    [("transformers", "5.99.0", True), ("transformers", "5.25.0", False), ("liger-kernel", "0.8.9", True)],
+)
+def test_newer_than_tested_version_warns_once(monkeypatch, caplog, package, version, warns):
+    from liger_dspine import _versions
+
+    monkeypatch.setattr(metadata, "version", fake_version(package, version))
+    monkeypatch.setattr(_versions, "_warned", set())
+    with caplog.at_level("WARNING", logger="liger_dspine._versions"):
+        _versions.require_supported_versions()
+        _versions.require_supported_versions()
+    messages = [r.getMessage() for r in caplog.records if "newer than the newest version tested" in r.getMessage()]
+    newest = _versions.NEWEST_TESTED[package]
+    expected = f"liger-dspine: {package} {version} is newer than the newest version tested ({newest}); the patch"
+    assert len(messages) == (1 if warns else 0)
+    assert all(message.startswith(expected) for message in messages)
