@@ -24,3 +24,63 @@ def join_ranks(context, finished, limit_s: float, teardown_s: float, what: str) 
             if done_at is None:
                 pytest.fail(f"{what} did not finish within {limit_s:.0f} s")
             return
+
+
+def _gloo_rank(rank, world_size, folder, function, args):
+    import faulthandler
+    import os
+    import sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    log = open(os.path.join(folder, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    faulthandler.enable(file=log, all_threads=True)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(folder, 'store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        torch.set_num_threads(1)
+        result = function(rank, world_size, *args)
+        dist.barrier()
+        if rank == 0:
+            torch.save(result, os.path.join(folder, "results.tmp"))
+            os.replace(os.path.join(folder, "results.tmp"), os.path.join(folder, "results.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo_ranks(folder, world_size: int, function, *args, limit_s: float = 600.0):
+    """Runs ``function(rank, world_size, *args)`` (a module-level function) on ``world_size`` spawned gloo ranks and
+    returns rank 0's result. A rank's exception fails the call with its traceback's last line and its log's path."""
+    import os
+
+    import torch
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    folder = str(folder)
+    results = os.path.join(folder, "results.pt")
+    context = mp.start_processes(
+        _gloo_rank, args=(world_size, folder, function, args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    try:
+        join_ranks(
+            context, lambda: os.path.exists(results), limit_s, 30.0, f"{function.__name__} on {world_size} ranks"
+        )
+    except ProcessException as error:
+        if not os.path.exists(results):
+            raise RuntimeError(
+                f"{function.__name__}: {str(error).strip().splitlines()[-1]} (logs in {folder})"
+            ) from None
+    return torch.load(results)
