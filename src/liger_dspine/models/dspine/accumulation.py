@@ -8,6 +8,12 @@ alignment scale and the global denominator; every micro-batch is then replayed w
 state (same anchors, same teacher-forcing draw), and back-propagated with ``numerator / D_global``. The RNG state
 after the window is the one the prepasses left.
 
+A micro-batch without anchors (prompt-only or padding rows) draws nothing and adds 0 to the window's sums and
+exactly 0 to every gradient: the window's gradient is the one it has without that micro-batch. A window without any
+anchor back-propagates a zero loss (every gradient 0, no NaN), as this package's causal-LM losses do for a batch
+whose labels are all ignored where transformers' loss divides 0 by 0; the optimizer step that follows still applies
+its momentum and weight decay, as a ``transformers.Trainer`` step would.
+
 Example::
 
     objective = DSpineObjective(draft, target.lm_head, target.model.embed_tokens).train()
@@ -37,6 +43,7 @@ import torch.distributed as dist
 from liger_dspine.models.dspine.blocks import max_valid_anchor_count
 from liger_dspine.models.dspine.objective import BACKBONE_CE
 from liger_dspine.models.dspine.objective import DSpineObjectiveOutput
+from liger_dspine.models.dspine.objective import mean_or_zero
 
 
 @dataclass
@@ -135,10 +142,9 @@ class DSpineAccumulationWindow:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
             world_size = dist.get_world_size(self.group)
-        if not bool(totals[1] > 0):
-            raise ValueError("DSpine accumulation window has no supervised proposal tokens")
-        alignment_ce = (totals[0] / totals[1]).detach()
-        scale = (world_size if self.average_gradients_across_ranks else 1) / totals[1]
+        alignment_ce = mean_or_zero(totals[0], totals[1]).detach()
+        # max(D_global, 1), as the objective's own loss: D is at least 1 for any anchor (its first proposal weighs 1)
+        scale = (world_size if self.average_gradients_across_ranks else 1) / totals[1].clamp_min(1.0)
         pending, self._pending, self._window_totals = self._pending, [], None
         outputs = []
         for index, micro in enumerate(pending):

@@ -6,6 +6,11 @@ Per supervised proposal (weight w, position-decayed):
   + beta * CE_global * sum_l (1 - cos(feature_l, code(label)))      alignment, beta on a warm-up schedule
 and the loss is sum(numerator) / max(sum w, 1). CE_global is the detached, globally reduced weighted mean CE
 (one all-reduce), or a value handed in by the accumulation driver.
+
+A batch without any anchor (no two consecutive supervised tokens in a document: prompt-only or padding rows) draws
+nothing and contributes nothing: its loss is 0 with every gradient 0 (not NaN), as this package's causal-LM losses
+give for a batch whose labels are all ignored. Its output still carries a graph through every trainable parameter,
+so that a data-parallel backward reduces the same gradients on every rank.
 """
 
 import logging
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_dspine.models.dspine.blocks import block_targets
+from liger_dspine.models.dspine.blocks import max_valid_anchor_count
 from liger_dspine.models.dspine.blocks import noise_token_ids
 from liger_dspine.models.dspine.blocks import sample_anchor_positions
 from liger_dspine.models.dspine.blocks import teacher_positions
@@ -361,6 +367,22 @@ class DSpineObjective(nn.Module):
             backbone = options.ce_weight * ce + (1.0 - options.ce_weight) * l1
         return backbone, ce, l1, ref, align, correct, coverage
 
+    def _output_without_anchors(self, device, ce_only: bool, alignment_ce) -> DSpineObjectiveOutput:
+        """A batch without anchors: zero terms, and (with autograd) a zero numerator through every trainable
+        parameter, whose gradients are exactly 0. No random draw, so the micro-batches after it draw as without it."""
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        if ce_only:
+            return DSpineObjectiveOutput(zero, zero, {BACKBONE_CE: (zero, zero)}, zero, (zero, zero))
+        if alignment_ce is None:  # the other ranks' objectives all-reduce here: take part
+            alignment_ce = global_mean_ce(zero, zero)
+        alignment_ce = torch.as_tensor(alignment_ce, dtype=torch.float32, device=device).detach()
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        numerator = sum((p.sum().float() * 0.0 for p in trainable), zero) if torch.is_grad_enabled() else zero
+        names = (BACKBONE_CE, "dspine/backbone_l1", "dspine/refinement_loss", "dspine/alignment_loss")
+        metrics = {name: (zero, zero) for name in names}
+        metrics["dspine/candidate_coverage"] = (zero, zero)
+        return DSpineObjectiveOutput(numerator, zero, metrics, zero, (numerator, zero), alignment_ce)
+
     # ------------------------------------------------------------------------------------------------------ forward
     def _attention_masks(self, anchors, keep, context_length, document_ids=None):
         return draft_attention_masks(self.draft_model.config, anchors, keep, context_length, document_ids)
@@ -383,8 +405,11 @@ class DSpineObjective(nn.Module):
             input_ids: [B, S] long.
             hidden_states: [B, S, T*H] target taps (concatenated in ``target_layer_ids`` order).
             loss_mask: [B, S], > 0.5 where supervised.
-            target_last_hidden_states: [B, S, H] the target's final-normed states (position s predicts s+1).
-                Not needed when ``ce_only``.
+            target_last_hidden_states: [B, S, H] what the target's head reads (position s predicts s+1): its
+                final-normed states, scaled as the target scales its logits (``TargetCapture`` returns them). Not
+                needed when ``ce_only``.
+            max_valid_anchors: the largest count of valid anchors in a row (computed here when None: a device
+                sync); 0 makes the batch contribute nothing (see the module docstring).
             global_step / total_steps: drive the alignment and teacher-forcing schedules.
             alignment_ce: CE_global for the alignment scale; None computes it here (one all-reduce when
                 torch.distributed is initialised).
@@ -405,6 +430,10 @@ class DSpineObjective(nn.Module):
             raise ValueError(
                 f"liger-dspine: document_ids must be [B, S] = {(batch, seq)}, got {tuple(document_ids.shape)}"
             )
+        if max_valid_anchors is None:
+            max_valid_anchors = max_valid_anchor_count(loss_mask, document_ids)
+        if max_valid_anchors == 0:
+            return self._output_without_anchors(loss_mask.device, ce_only, alignment_ce)
         anchors, keep = sample_anchor_positions(loss_mask, self.num_anchors, max_valid_anchors, document_ids)
         targets = block_targets(input_ids, loss_mask, anchors, keep, block, self.loss_decay_gamma, document_ids)
         beta, p_replace = self.dspine_config.schedule(global_step, total_steps)
@@ -486,10 +515,14 @@ class DSpineObjective(nn.Module):
 
 
 def global_mean_ce(ce_sum: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """sum CE / sum D over all ranks (one all-reduce when torch.distributed is initialised)."""
+    """sum CE / sum D over all ranks (one all-reduce when torch.distributed is initialised); 0 when no rank has a
+    supervised proposal (every numerator is then 0, so the alignment scale does not matter)."""
     totals = torch.stack([ce_sum.float(), denominator.float()])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-    if not bool(totals[1] > 0):
-        raise ValueError("DSpine batch has no supervised proposal tokens")
-    return totals[0] / totals[1]
+    return mean_or_zero(totals[0], totals[1])
+
+
+def mean_or_zero(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """total / count, or 0 where count is 0 (no host sync)."""
+    return torch.where(count > 0, total / count.clamp_min(torch.finfo(count.dtype).tiny), torch.zeros_like(total))
