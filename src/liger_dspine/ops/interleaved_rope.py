@@ -566,8 +566,8 @@ class LigerMLAKeyFunction(torch.autograd.Function):
         _check_rope_width(rope_dim)
         if k_rot.shape[:3] != (batch, 1, seq_len):
             raise ValueError(f"liger-dspine: k_rot must be [{batch}, 1, {seq_len}, R], got {tuple(k_rot.shape)}")
-        if not 0 < nope_dim < width:
-            raise ValueError(f"liger-dspine: nope_dim {nope_dim} must lie inside the kv width {width}")
+        if not 0 <= nope_dim < width:  # 0: keys without a non-rotary part (qk_nope_head_dim=0)
+            raise ValueError(f"liger-dspine: nope_dim {nope_dim} must lie in [0, kv width {width})")
         kv = _last_dim_unit(kv)
         k_rot = _last_dim_unit(k_rot)
         if cos is not None:
