@@ -10,11 +10,15 @@ no KV cache. Its result is the objective's keyword arguments::
 
 Tap id ``i`` is the output of decoder layer ``i`` (``output_hidden_states`` entry ``i + 1``). As in
 ``output_hidden_states``, the last layer's entry is the final-normed state, so a tap on the last layer returns it.
+``target_last_hidden_states`` is what the target's head reads, so that ``lm_head`` of it gives the target's own logits:
+the final-normed state, scaled where the target scales its logits (:mod:`~liger_dspine.models.dspine.head_input`,
+checked once on a probe when the capture is built; a soft-capped head is refused).
 """
 
 import torch
 from torch import nn
 
+from liger_dspine.models.dspine.head_input import probe_head_input
 from liger_dspine.models.dspine.packing import document_ids_from_position_ids
 
 # Where a causal LM keeps the module holding ``layers`` and ``norm`` (Llama, Qwen3, DeepSeek-V3 and its family:
@@ -44,13 +48,15 @@ def _first_tensor(output):
 
 
 class TargetCapture:
-    """Captures a frozen causal LM's tap states [B, S, T*H] and final-normed states [B, S, H].
+    """Captures a frozen causal LM's tap states [B, S, T*H] and the states its head reads [B, S, H].
 
     Args:
-        target: a Hugging Face causal LM (patched by this package or not); it is put in eval mode and frozen.
+        target: a Hugging Face causal LM (patched by this package or not); it is put in eval mode and frozen, and run
+            once on a short probe to find what its head reads.
         target_layer_ids: 0-based decoder layers, concatenated in this order (the drafter's ``target_layer_ids``).
 
     Attributes:
+        head_input: the rule from the final-normed state to the head's input (the identity for most targets).
         kept: how many tensors the hooks kept during the last call (distinct taps, plus the final norm).
     """
 
@@ -66,6 +72,7 @@ class TargetCapture:
             )
         self.target_layer_ids = ids
         self.last_layer = num_layers - 1
+        self.head_input = probe_head_input(self.target, self.decoder)
         self.kept = 0
 
     @torch.no_grad()
@@ -86,7 +93,8 @@ class TargetCapture:
 
         Returns:
             The objective's inputs: ``input_ids``, ``hidden_states`` [B, S, T*H], ``loss_mask`` [B, S] float,
-            ``target_last_hidden_states`` [B, S, H], and ``document_ids`` [B, S] when ``position_ids`` is given.
+            ``target_last_hidden_states`` [B, S, H] (the head's input), and ``document_ids`` [B, S] when
+            ``position_ids`` is given.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"liger-dspine: input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
@@ -122,7 +130,7 @@ class TargetCapture:
             input_ids=input_ids,
             hidden_states=torch.cat([kept[i] for i in self.target_layer_ids], dim=-1),
             loss_mask=loss_mask.float(),
-            target_last_hidden_states=final,
+            target_last_hidden_states=self.head_input(final),
         )
         if position_ids is not None:
             batch["document_ids"] = document_ids_from_position_ids(position_ids)
