@@ -23,8 +23,9 @@ gradients). ``token_accuracy`` is then NaN: there is no token to score.
 
 The fused loss reads ``lm_head.weight`` directly (``head_checks.py``). A head that computes something else (a LoRA
 adapter on it, a bias, forward hooks, a custom class) gets the loss from its own logits, with a warning; with
-``skip_logits=True`` it is a ``ValueError``. Under FSDP2, shard ``lm_head`` with its parent (the root's pre-forward
-gathers it); a separately sharded ``lm_head`` is a ``ValueError`` (use ``skip_logits=False`` there).
+``skip_logits=True`` it is a ``ValueError``. Under FSDP2, a ``lm_head`` sharded with its parent is gathered by the
+root's pre-forward; one sharded on its own takes the logits path, with a warning (``parallel_state.py``). Under tensor
+parallelism, the vocabulary-sharded head takes the vocabulary-parallel fused loss: no rank forms the whole logits.
 
 liger-kernel's loss keywords that this forward does not compute (``label_smoothing``, ``lse_square_scale``,
 ``softcap``, ``ce_weight``, ``use_token_scaling``, ``return_predicted_tokens``) are a ``ValueError`` unless at their
@@ -40,10 +41,11 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.backward_guard import SecondPassGuard
-from liger_dspine.modules.head_checks import check_head_is_gathered
 from liger_dspine.modules.head_checks import unfused_head_reason
 from liger_dspine.modules.label_checks import IGNORE_INDEX
 from liger_dspine.modules.label_checks import checked_labels
+from liger_dspine.modules.parallel_state import sharded_head_reason
+from liger_dspine.modules.parallel_state import vocab_shard
 
 try:  # newer transformers also take 2D positions [B, P] and boolean masks [B, S] (logits [N, V])
     from transformers.modeling_utils import slice_logits_to_keep as _slice_logits_to_keep
@@ -200,10 +202,14 @@ def _causal_lm_forward(
         targets = _shifted_targets(labels, shift_labels, hidden_states, ignore_index)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"), ignore_index)
     if skip_logits:
-        fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
-        loss, token_accuracy = fused_loss(
-            hidden_states, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index
-        )
+        shard = vocab_shard(self.lm_head.weight)
+        if shard is not None:  # tensor parallelism's vocabulary-sharded head
+            loss = _vocab_parallel_linear_ce(hidden_states, shard, targets, divisor, ignore_index)
+        else:
+            fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
+            loss, token_accuracy = fused_loss(
+                hidden_states, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index
+            )
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:
@@ -232,8 +238,7 @@ def _fused_choice(model, fused: bool, skip_logits, has_labels: bool) -> bool:
     wanted = (fused and model.training and has_labels) if skip_logits is None else skip_logits
     if not wanted:
         return False
-    check_head_is_gathered(model.lm_head.weight)  # a separately sharded head: an error, not the logits path
-    reason = unfused_head_reason(model.lm_head)
+    reason = sharded_head_reason(model.lm_head) or unfused_head_reason(model.lm_head)
     if reason is None:
         return True
     if skip_logits:
@@ -242,8 +247,8 @@ def _fused_choice(model, fused: bool, skip_logits, has_labels: bool) -> bool:
             "without calling lm_head, so it would leave that out"
         )
     warnings.warn(
-        f"liger-dspine: {reason}, which the fused linear cross entropy (it reads lm_head.weight only) would leave "
-        "out: the loss is computed from the head's logits instead",
+        f"liger-dspine: {reason}; the fused linear cross entropy reads lm_head.weight without calling lm_head, so "
+        "the loss is computed from the head's logits instead",
         stacklevel=4,
     )
     return False
@@ -351,6 +356,22 @@ def _vocab_chunked_linear_ce(hidden_states, weight, targets, divisor, accum_dtyp
         return_token_accuracy=True,
     )
     return loss / _on(divisor, loss), token_accuracy
+
+
+def _vocab_parallel_linear_ce(hidden_states, shard, targets, divisor, ignore_index=IGNORE_INDEX):
+    from liger_dspine.ops.vocab_parallel_cross_entropy import liger_vocab_parallel_linear_cross_entropy
+
+    loss = liger_vocab_parallel_linear_cross_entropy(
+        hidden_states.reshape(-1, hidden_states.shape[-1]),
+        shard.local_weight,
+        targets,
+        shard.vocab_start,
+        shard.vocab_size,
+        group=shard.group,
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    return loss / _on(divisor, loss)
 
 
 def _liger_ce(logits, targets, divisor, ignore_index=IGNORE_INDEX):

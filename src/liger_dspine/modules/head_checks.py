@@ -1,8 +1,9 @@
 """What the fused linear cross entropy needs of ``lm_head``: it reads ``lm_head.weight`` and never calls the module,
 so the head must compute ``hidden @ weight.T`` and nothing else, with a weight that is whole inside the forward."""
 
-import torch
 from torch import nn
+
+from liger_dspine.modules.parallel_state import tensor_parallel_head
 
 
 def unfused_head_reason(head: nn.Module) -> str | None:
@@ -16,22 +17,7 @@ def unfused_head_reason(head: nn.Module) -> str | None:
         return "lm_head has a bias"
     if head._forward_hooks or head._forward_pre_hooks:
         return "lm_head has forward hooks"
-    if "forward" in vars(head) and not hasattr(head, "_hf_hook"):  # accelerate's hook only moves the inputs
+    if "forward" in vars(head) and not hasattr(head, "_hf_hook") and not tensor_parallel_head(head):
+        # accelerate's hook only moves the inputs; tensor parallelism's forward only moves its input and output
         return "lm_head's forward is replaced on the module"
     return None
-
-
-def check_head_is_gathered(weight: torch.Tensor) -> None:
-    """The fused loss reads ``lm_head.weight`` without calling ``lm_head``: a sharded weight must be whole by now."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return
-    if isinstance(weight, DTensor):
-        raise ValueError(
-            "liger-dspine: lm_head.weight is a sharded DTensor inside the forward: the fused linear cross entropy "
-            "reads the weight without calling lm_head, so a separately sharded lm_head (FSDP2 "
-            "fully_shard(model.lm_head), or tensor parallel) is never gathered for it. Shard lm_head together with its "
-            "parent (fully_shard(model) without its own fully_shard), or pass skip_logits=False to compute the loss "
-            "from logits"
-        )

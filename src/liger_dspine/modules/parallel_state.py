@@ -1,0 +1,109 @@
+"""How a module's weight is laid out across ranks inside the forward, for the fused kernels that read weights
+without calling the module that owns them.
+
+``lm_head``, for the fused loss:
+
+- whole: a plain tensor (one process, DDP, DeepSpeed ZeRO-1/2, or FSDP2 with the head in its parent's group, which
+  FSDP has gathered by the time the loss runs);
+- vocabulary-parallel: tensor parallelism's column-wise head, a DTensor sharded over the vocabulary on a 1-D mesh;
+  the fused loss runs on the local rows (``ops/vocab_parallel_cross_entropy.py``) with the mesh's collectives;
+- anything else (FSDP2's own ``fully_shard(model.lm_head)``, a 2-D layout): the fused loss cannot read it, so the
+  loss is computed from the head's logits, by calling the head, which gathers what it needs.
+
+A row-wise (input-sharded) linear of tensor parallelism, for the fused SwiGLU down projection: the kernel runs on the
+local columns and its partial output is summed over the mesh, as the plan's own output step does.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows [vocab_start, vocab_start + local_weight.shape[0]) of a [vocab_size, H] head."""
+
+    local_weight: torch.Tensor
+    vocab_start: int
+    vocab_size: int
+    group: object
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return None
+    return DTensor
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def vocab_shard(weight: torch.Tensor) -> VocabShard | None:
+    """The local rows of a weight sharded over its first dimension on a 1-D mesh, else None."""
+    DTensor = _dtensor_class()
+    if DTensor is None or not isinstance(weight, DTensor):
+        return None
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        return None
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return VocabShard(weight.to_local(), int(offset[0]), int(weight.shape[0]), mesh.get_group())
+
+
+def sharded_head_reason(head: nn.Module) -> str | None:
+    """Why the fused loss cannot read ``head.weight`` as it stands inside the forward, or None (whole, or
+    vocabulary-parallel under tensor parallelism)."""
+    DTensor = _dtensor_class()
+    weight = head.weight
+    if DTensor is None or not isinstance(weight, DTensor):
+        return None
+    if _is_fsdp_module(head):
+        return "lm_head is sharded by FSDP on its own (fully_shard(model.lm_head)), so its weight is not gathered"
+    if vocab_shard(weight) is not None:
+        return None
+    return (
+        f"lm_head.weight is a DTensor with placements {tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh"
+    )
+
+
+def tensor_parallel_head(head: nn.Module) -> bool:
+    """Whether ``head`` is tensor parallelism's vocabulary-sharded head (its forward, installed by the plan, only
+    moves the input and output between layouts)."""
+    return vocab_shard(head.weight) is not None and not _is_fsdp_module(head)
+
+
+def rowwise_shard(linear: nn.Module):
+    """(local weight [H, I / tp], mesh) of tensor parallelism's row-wise linear without bias, else None."""
+    DTensor = _dtensor_class()
+    weight = getattr(linear, "weight", None)
+    if DTensor is None or not isinstance(weight, DTensor) or _is_fsdp_module(linear):
+        return None
+    from torch.distributed.tensor import Shard
+
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) not in ((Shard(1),), (Shard(-1),)):
+        return None
+    if getattr(linear, "bias", None) is not None:
+        return None
+    return weight.to_local(), weight.device_mesh
+
+
+def sum_partial_over(output: torch.Tensor, mesh) -> torch.Tensor:
+    """A rank's partial sum made whole on every rank of ``mesh`` (an all-reduce whose backward passes the gradient
+    through), as tensor parallelism's row-wise output step does."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate
+
+    partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
+    return partial.redistribute(mesh, [Replicate()]).to_local()
