@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     demo = sub.add_parser(
         "demo", help="train a tiny DeepSeek-V3, then a tiny DSpine drafter, natively and patched on embedded text"
     )
-    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--steps", type=_positive_int, default=8, help="training steps of each model (default 8)")
     demo.add_argument("--seed", type=int, default=0)
     inspect = sub.add_parser("inspect", help="print what the patch replaces for a model config")
     inspect.add_argument("config", help="a config.json, a checkpoint folder, or a model type such as deepseek_v3")
@@ -89,43 +89,27 @@ def _convert(source: str, destination: str | None, check_only: bool) -> int:
 
 
 def _inspect(config_arg: str) -> int:
-    import torch
-    from transformers import AutoConfig
+    from liger_dspine.cli_inspect import inspect_report
 
-    from liger_dspine import apply_liger_kernel_to_instance
-    from liger_dspine.auto_model import causal_lm_from_config
-
-    if os.path.exists(config_arg):
-        path = os.path.dirname(config_arg) if config_arg.endswith(".json") else config_arg
-        config = AutoConfig.from_pretrained(path)
-    else:
-        config = AutoConfig.for_model(config_arg, **_PATCHED_DEFAULTS.get(config_arg, {}))
-        filled = _fill_unset_expert_counts(config.get_text_config(decoder=True))
-        if filled:
-            taken = ", ".join(f"{name}={value}" for name, value in filled.items())
-            print(f"(the default {type(config).__name__} leaves expert counts unset; taken to build it: {taken})")
-    with torch.device("meta"):
-        model = causal_lm_from_config(config)
-    print(apply_liger_kernel_to_instance(model))
+    try:
+        lines = inspect_report(config_arg)
+    except (ValueError, TypeError) as error:
+        if not str(error).startswith("liger-dspine:"):
+            raise
+        print(error, file=sys.stderr)
+        return 2
+    print("\n".join(lines))
     return 0
 
 
-# by model type: what the default config needs to be the model the patch covers (mistral3: Mistral-Small-4)
-_PATCHED_DEFAULTS = {"mistral3": {"text_config": {"model_type": "mistral4"}}}
-
-
-def _fill_unset_expert_counts(config) -> dict[str, int]:
-    """Expert counts some configs leave None by default (Dots1Config), set to the smallest a grouped router takes
-    (two experts per group); the modules they size are built all the same."""
-    smallest = {
-        "n_routed_experts": 2 * (getattr(config, "n_group", None) or 1),
-        "num_experts_per_tok": 1,
-        "n_shared_experts": 1,
-    }
-    filled = {name: n for name, n in smallest.items() if hasattr(config, name) and getattr(config, name) is None}
-    for name, value in filled.items():
-        setattr(config, name, value)
-    return filled
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 if __name__ == "__main__":

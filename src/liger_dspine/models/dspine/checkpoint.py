@@ -44,28 +44,61 @@ class CheckpointReport:
         return "\n".join(lines)
 
 
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``; a ValueError naming the file when it is not JSON or holds something else."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"liger-dspine: {path} is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        kind = "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
+        raise ValueError(f"liger-dspine: {path} must hold a JSON object, it holds {kind}")
+    return value
+
+
 def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"liger-dspine: {folder} has no config.json")
-    return json.loads(path.read_text())
+    return read_json_object(path)
+
+
+def _weight_files(folder: Path) -> list[str]:
+    """The safetensors files of the folder: those its index names (each must exist), else the single file."""
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        if (folder / WEIGHTS).is_file():
+            return [WEIGHTS]
+        raise ValueError(f"liger-dspine: {folder} has neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise ValueError(f"liger-dspine: {index} has no weight_map of tensor names to file names")
+    files = sorted(set(weight_map.values()))
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"liger-dspine: {index} names shards that {folder} lacks: {', '.join(missing)}")
+    return files
 
 
 def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """Key -> shape of every tensor in the folder's safetensors files, read from their headers only."""
+    from safetensors import SafetensorError
     from safetensors import safe_open
 
-    if (folder / WEIGHTS_INDEX).is_file():
-        files = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()))
-    elif (folder / WEIGHTS).is_file():
-        files = [WEIGHTS]
-    else:
-        raise ValueError(f"liger-dspine: {folder} has neither {WEIGHTS} nor {WEIGHTS_INDEX}")
     shapes = {}
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as handle:
-            for key in handle.keys():
-                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    for name in _weight_files(folder):
+        path = folder / name
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as error:
+            raise ValueError(
+                f"liger-dspine: {path} is not a readable safetensors file (truncated or damaged?): {error}"
+            ) from None
     return shapes
 
 
