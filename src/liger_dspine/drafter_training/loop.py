@@ -82,17 +82,14 @@ def _distributed_device():
     return torch.device("cpu"), rank, world
 
 
-def _rows(args, target):
-    if args.dataset is None:
-        return data.embedded_text_rows(args.seq_len)
-    tokenizer = None
-    if args.tokenizer or args.target:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    pad = getattr(tokenizer, "pad_token_id", None) or 0
+def _rows(args, target, mask_token_id: int):
+    """The packed rows; a tokenizer (``--tokenizer``, else the ``--target`` folder) is loaded only for chat lines."""
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    return data.pack_rows(data.read_documents(args.dataset, tokenizer, vocab_size), args.seq_len, pad)
+    if args.dataset is None:
+        return data.embedded_text_rows(args.seq_len, vocab_size, mask_token_id)
+    tokenizer = data.TokenizerSource(args.tokenizer or args.target)
+    documents = data.read_documents(args.dataset, tokenizer, vocab_size, mask_token_id)
+    return data.pack_rows(documents, args.seq_len, tokenizer.pad_token_id)
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -115,7 +112,7 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
     objective = setup.build_objective(args, target, device, dtype)
     draft = objective.draft_model
     capture = TargetCapture(target, draft.target_layer_ids)
-    stream = data.RowStream(_rows(args, target), args.seed)
+    stream = data.RowStream(_rows(args, target, objective.mask_token_id), args.seed)
 
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.steps, args.schedule))

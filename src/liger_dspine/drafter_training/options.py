@@ -65,14 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument(
         "--dataset",
-        help="JSONL: a list of token ids, {'input_ids': [...], 'loss_mask': [...]} or {'messages': [...]} (needs "
-        "--tokenizer) per line; default: the embedded demo text, as bytes",
+        help="JSONL: a list of token ids, {'input_ids': [...], 'loss_mask': [0/1, ...]} or {'messages': [...]} (needs "
+        "--tokenizer, or a --target folder with one) per line; default: the embedded demo text, as bytes",
     )
     data.add_argument("--tokenizer", help="tokenizer folder for chat messages (default: --target)")
     data.add_argument("--seq-len", type=int, help="tokens per packed row")
     data.add_argument("--batch-size", type=int, help="rows per micro-batch and rank")
     drafter = parser.add_argument_group("drafter")
-    drafter.add_argument("--drafter-config", help="a DSpine drafter config.json (SpecForge's layout); else the sizes")
+    drafter.add_argument(
+        "--drafter-config",
+        help="a DSpine drafter config file (SpecForge's layout), or a folder holding its config.json; else the sizes",
+    )
     drafter.add_argument("--drafter-layers", type=int, help="default 2")
     drafter.add_argument("--block-size", type=int)
     drafter.add_argument("--drafter-heads", type=int)
@@ -94,7 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     drafter.add_argument("--message-size", type=int)
     drafter.add_argument("--top-k", type=int)
     drafter.add_argument("--target-layer-ids", help="comma-separated target layers to tap, e.g. 0,1,2,3")
-    drafter.add_argument("--mask-token-id", type=int)
+    drafter.add_argument(
+        "--mask-token-id",
+        type=int,
+        help="the token id of the drafter's proposal slots; it must never be in the data (a dataset line holding it "
+        "is an error)",
+    )
     drafter.add_argument(
         "--alignment-warmup-steps", type=int, help="steps of the alignment weight's ramp (default 0; SpecForge: 146)"
     )
@@ -146,10 +154,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         fail(f"--target {args.target!r} is not a folder")
     if args.target_config and args.target_config != "tiny" and not os.path.isfile(args.target_config):
         fail(f"--target-config {args.target_config!r} is neither 'tiny' nor a config file")
-    for name in ("dataset", "drafter_config"):
-        path = getattr(args, name)
-        if path is not None and not os.path.isfile(path):
-            fail(f"--{name.replace('_', '-')} {path!r} is not a file")
+    if args.dataset is not None and not os.path.isfile(args.dataset):
+        fail(f"--dataset {args.dataset!r} is not a file")
+    drafter_config = args.drafter_config
+    if drafter_config is not None and not os.path.isfile(drafter_config):
+        if not os.path.isdir(drafter_config):
+            fail(f"--drafter-config {drafter_config!r} is neither a config file nor a folder")
+        if not os.path.isfile(os.path.join(drafter_config, "config.json")):
+            fail(f"--drafter-config {drafter_config!r} is a folder without a config.json")
     positive = (
         "steps",
         "seq_len",

@@ -1,7 +1,6 @@
 """The frozen target, the drafter and its objective of a ``train-drafter`` run."""
 
 import logging
-import os
 from types import SimpleNamespace
 
 import torch
@@ -59,7 +58,7 @@ def drafter_config(args, target):
     hidden, vocab = target.config.hidden_size, target.config.vocab_size
     target_layers = target.config.num_hidden_layers
     if args.drafter_config:
-        config = DSpineDraftConfig.from_pretrained(os.path.dirname(os.path.abspath(args.drafter_config)))
+        config = DSpineDraftConfig.from_pretrained(args.drafter_config)  # this file, or a folder's config.json
         if (config.hidden_size, config.vocab_size) != (hidden, vocab):
             raise ValueError(
                 f"liger-dspine: the drafter config's hidden_size / vocab_size {(config.hidden_size, config.vocab_size)}"
