@@ -6,8 +6,10 @@ is skipped by the tests that use it (``FamilyCase.modeling_or_skip``).
 """
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from dataclasses import field
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,6 +136,33 @@ V4 = dict(
 )
 
 
+# Ergo: a dense ReLU² layer, then a MoE layer (ReLU² experts with a norm each, a sigmoid top-2 router of one group)
+# with full attention (no RoPE, logits scaled by global_attention_scale); the first layer's window of 4 bites at 8
+# tokens.
+ERGO = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    first_dense_intermediate_size=48,
+    num_dense_blocks=1,
+    moe_intermediate_size=16,
+    shared_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_routed_scaling_factor=1.5,
+    sliding_window=4,
+    global_attention_every_n_layers=2,
+    global_attention_scale=2.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     model_type: str
@@ -142,6 +171,7 @@ class FamilyCase:
     swapped: tuple[str, ...]  # the native classes and methods the spec replaces
     mla: bool = True
     moe: bool = True
+    swiglu: bool = True  # its MLPs are SwiGLU (LigerSwiGLUMLP); Ergo's are ReLU² without a gate
     extra: dict = field(default_factory=dict)
     forwards: str = "liger_dspine.modules.causal_lm_forward"  # the module of the loss forwards the spec binds
     # a multimodal model whose text model comes from another modeling module (Kimi K2.5: DeepSeek-V3's)
@@ -160,19 +190,32 @@ class FamilyCase:
     apply_options: dict = field(default_factory=dict)
     opt_in: tuple[str, ...] = ()  # the swapped classes that only those options swap
     swapped_since: dict = field(default_factory=dict)  # swapped classes a default patch replaces from that version
+    # swapped names whose option is off by default and that the tests' patch leaves off (Ergo's ce_forward, tested
+    # in its own file): the family tests expect them native
+    default_off: tuple[str, ...] = ()
+    # the modeling module, where the model type has none of its own (param2moe builds GLM-4.5's classes)
+    modeling: str = ""
 
     @property
     def swapped_here(self) -> tuple[str, ...]:
         """The swapped names a default patch replaces in the installed transformers."""
         installed = Version(transformers.__version__)
-        return tuple(n for n in self.swapped if Version(self.swapped_since.get(n, "0")) <= installed)
+        return tuple(
+            n
+            for n in self.swapped
+            if Version(self.swapped_since.get(n, "0")) <= installed and n not in self.default_off
+        )
 
     def lce_forward(self):
+        """The function the tests' patch binds as the causal LM's forward: ``lce_forward`` of ``forwards``, or the
+        native forward where that swap is off by default."""
+        if f"{self.causal_lm_name}.forward" in self.default_off:
+            return getattr(self.modeling_or_skip(), self.causal_lm_name).forward
         return getattr(importlib.import_module(self.forwards), "lce_forward")
 
     @property
     def modeling_name(self) -> str:
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+        return self.modeling or f"transformers.models.{self.model_type}.modeling_{self.model_type}"
 
     @property
     def modeling_names(self) -> tuple[str, ...]:
@@ -201,6 +244,8 @@ class FamilyCase:
     def modeling_or_skip(self):
         if self.min_transformers and Version(transformers.__version__) < Version(self.min_transformers):
             pytest.skip(f"the {self.model_type} patch needs transformers >= {self.min_transformers}")
+        if self.modeling and importlib.util.find_spec(f"transformers.models.{self.model_type}") is None:
+            pytest.skip(f"this transformers has no {self.model_type}")  # its modeling module is another model's
         try:
             return importlib.import_module(self.modeling_name)
         except ModuleNotFoundError:
@@ -287,6 +332,49 @@ CASES = {
             mla=False,
         ),
         _case("dots1", "Dots1", {**COMMON, **MOE, "num_key_value_heads": 2, "first_k_dense_replace": 1}, mla=False),
+        # DeepSeek-V3's MLPs, experts and grouped router (logits in fp32 under autocast too); its gated GQA attention
+        # stays native
+        _case(
+            "minicpm5_moe",
+            "MiniCPM5Moe",
+            {**COMMON, **MOE, "num_key_value_heads": 2, "head_dim": 8, "mlp_layer_types": ["dense", "sparse"]},
+            mla=False,
+        ),
+        # a config that builds Glm4MoeForCausalLM (full-head RoPE, q/k norms native to GLM-4.5), with a tied head
+        replace(
+            _case(
+                "param2moe",
+                "Glm4Moe",
+                {
+                    **COMMON,
+                    **MOE,
+                    "num_key_value_heads": 2,
+                    "head_dim": 8,
+                    "first_k_dense_replace": 1,
+                    "use_qk_norm": True,
+                    "tie_word_embeddings": True,
+                },
+                mla=False,
+            ),
+            modeling="transformers.models.glm4_moe.modeling_glm4_moe",
+            liger_modules=("liger_dspine.models.glm4_moe.modules",),
+        ),
+        # norms (fp32 weights, "gemma" casting) and the router; ReLU² MLPs and experts, attention and head native;
+        # the ce_forward loss (cross_entropy=True) is tested in family/test_ergo.py
+        FamilyCase(
+            "ergo",
+            "Ergo",
+            ERGO,
+            ("ErgoRMSNorm", "ErgoTopkRouter", "ErgoForCausalLM.forward"),
+            mla=False,
+            swiglu=False,
+            native_kept=("ErgoMLP", "ErgoExperts"),
+            default_off=("ErgoForCausalLM.forward",),
+            # each branch's output is normalised again (post-attention / post-feedforward norms): those small outputs'
+            # norms amplify fp32 rounding over the SGD steps, about 10x in two steps native against native (only
+            # the experts' summation order changed), so each step is held to the fp64 run's weights
+            fp64_reference=True,
+        ),
         # softmax router, greedy (the group-max selection is swept in ops/test_moe_router_softmax.py, against the
         # router class of transformers >= 5.17); RoPE turning pairs in place
         FamilyCase(

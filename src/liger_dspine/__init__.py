@@ -26,6 +26,8 @@ from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1  # noqa:
 from liger_dspine.models.dots1.apply import revert_liger_kernel_to_dots1  # noqa: E402
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine  # noqa: E402
 from liger_dspine.models.dspine.apply import revert_liger_kernel_to_dspine  # noqa: E402
+from liger_dspine.models.ergo.apply import apply_liger_kernel_to_ergo  # noqa: E402
+from liger_dspine.models.ergo.apply import revert_liger_kernel_to_ergo  # noqa: E402
 from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe  # noqa: E402
 from liger_dspine.models.glm4_moe.apply import revert_liger_kernel_to_glm4_moe  # noqa: E402
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite  # noqa: E402
@@ -36,10 +38,14 @@ from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25  #
 from liger_dspine.models.kimi_k25.apply import revert_liger_kernel_to_kimi_k25  # noqa: E402
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3  # noqa: E402
 from liger_dspine.models.minicpm3.apply import revert_liger_kernel_to_minicpm3  # noqa: E402
+from liger_dspine.models.minicpm5_moe.apply import apply_liger_kernel_to_minicpm5_moe  # noqa: E402
+from liger_dspine.models.minicpm5_moe.apply import revert_liger_kernel_to_minicpm5_moe  # noqa: E402
 from liger_dspine.models.mistral3.apply import apply_liger_kernel_to_mistral3  # noqa: E402
 from liger_dspine.models.mistral3.apply import revert_liger_kernel_to_mistral3  # noqa: E402
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4  # noqa: E402
 from liger_dspine.models.mistral4.apply import revert_liger_kernel_to_mistral4  # noqa: E402
+from liger_dspine.models.param2moe.apply import apply_liger_kernel_to_param2moe  # noqa: E402
+from liger_dspine.models.param2moe.apply import revert_liger_kernel_to_param2moe  # noqa: E402
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu  # noqa: E402
 from liger_dspine.models.youtu.apply import revert_liger_kernel_to_youtu  # noqa: E402
 from liger_dspine.patching import PatchReport  # noqa: E402
@@ -60,6 +66,7 @@ __all__ = [
     "apply_liger_kernel_to_deepseek_v4",
     "apply_liger_kernel_to_dots1",
     "apply_liger_kernel_to_dspine",
+    "apply_liger_kernel_to_ergo",
     "apply_liger_kernel_to_glm4_moe",
     "apply_liger_kernel_to_glm4_moe_lite",
     "apply_liger_kernel_to_glm_moe_dsa",
@@ -67,7 +74,9 @@ __all__ = [
     "apply_liger_kernel_to_kimi_k25",
     "apply_liger_kernel_to_mistral3",
     "apply_liger_kernel_to_minicpm3",
+    "apply_liger_kernel_to_minicpm5_moe",
     "apply_liger_kernel_to_mistral4",
+    "apply_liger_kernel_to_param2moe",
     "apply_liger_kernel_to_youtu",
     "enable_cpu_interpreter",
     "register_with_liger",
@@ -78,12 +87,15 @@ __all__ = [
     "revert_liger_kernel_to_deepseek_v4",
     "revert_liger_kernel_to_dots1",
     "revert_liger_kernel_to_dspine",
+    "revert_liger_kernel_to_ergo",
     "revert_liger_kernel_to_glm4_moe",
     "revert_liger_kernel_to_glm4_moe_lite",
     "revert_liger_kernel_to_glm_moe_dsa",
     "revert_liger_kernel_to_kimi_k25",
     "revert_liger_kernel_to_mistral3",
     "revert_liger_kernel_to_minicpm3",
+    "revert_liger_kernel_to_minicpm5_moe",
     "revert_liger_kernel_to_mistral4",
+    "revert_liger_kernel_to_param2moe",
     "revert_liger_kernel_to_youtu",
 ]

@@ -9,13 +9,16 @@ from liger_dspine.models.deepseek_v4.apply import apply_liger_kernel_to_deepseek
 from liger_dspine.models.deepseek_v32.apply import apply_liger_kernel_to_deepseek_v32
 from liger_dspine.models.dots1.apply import apply_liger_kernel_to_dots1
 from liger_dspine.models.dspine.apply import apply_liger_kernel_to_dspine
+from liger_dspine.models.ergo.apply import apply_liger_kernel_to_ergo
 from liger_dspine.models.glm4_moe.apply import apply_liger_kernel_to_glm4_moe
 from liger_dspine.models.glm4_moe_lite.apply import apply_liger_kernel_to_glm4_moe_lite
 from liger_dspine.models.glm_moe_dsa.apply import apply_liger_kernel_to_glm_moe_dsa
 from liger_dspine.models.kimi_k25.apply import apply_liger_kernel_to_kimi_k25
 from liger_dspine.models.minicpm3.apply import apply_liger_kernel_to_minicpm3
+from liger_dspine.models.minicpm5_moe.apply import apply_liger_kernel_to_minicpm5_moe
 from liger_dspine.models.mistral3.apply import apply_liger_kernel_to_mistral3
 from liger_dspine.models.mistral4.apply import apply_liger_kernel_to_mistral4
+from liger_dspine.models.param2moe.apply import apply_liger_kernel_to_param2moe
 from liger_dspine.models.youtu.apply import apply_liger_kernel_to_youtu
 from liger_dspine.patching import check_options
 
@@ -31,8 +34,13 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "glm4_moe": apply_liger_kernel_to_glm4_moe,
     "glm4_moe_lite": apply_liger_kernel_to_glm4_moe_lite,
     "glm_moe_dsa": apply_liger_kernel_to_glm_moe_dsa,
+    "minicpm5_moe": apply_liger_kernel_to_minicpm5_moe,
+    # its config builds Glm4MoeForCausalLM: GLM-4.5's swaps, reported under its own model type
+    "param2moe": apply_liger_kernel_to_param2moe,
     # clamped SwiGLU experts, norms and loss; attention, routers and hyper-connections native (models/deepseek_v4)
     "deepseek_v4": apply_liger_kernel_to_deepseek_v4,
+    # DeepSeek-V3's MoE block over modules of its own: norms, router and loss; ReLU² MLPs and experts native
+    "ergo": apply_liger_kernel_to_ergo,
     # a multimodal model whose text model is DeepSeek-V3's (keyed by the top-level config's model type)
     "kimi_k25": apply_liger_kernel_to_kimi_k25,
     "mistral3": apply_liger_kernel_to_mistral3,

@@ -1,0 +1,55 @@
+from liger_dspine import patching
+from liger_dspine.apply_options import checked_options
+from liger_dspine.models.deepseek_v3.apply import apply_spec
+from liger_dspine.models.deepseek_v3.apply import v3_options
+from liger_dspine.models.deepseek_v3.family import refuse_rope
+from liger_dspine.models.minicpm5_moe.spec import MINICPM5_MOE_SPEC
+
+
+@checked_options
+def apply_liger_kernel_to_minicpm5_moe(
+    rope: bool = False,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+    *,
+    moe_router: bool = True,
+    fused_experts: bool = False,
+    grouped_experts: bool = True,
+    vocab_chunked_lce: bool = False,
+) -> patching.PatchReport:
+    """Swap the modules of MiniCPM5-MoE (``minicpm5_moe``) for Liger kernels; liger-kernel's parameter order.
+
+    The options mean what they mean for ``apply_liger_kernel_to_deepseek_v3`` (its modules are DeepSeek-V3's):
+    ``MiniCPM5MoeRMSNorm`` -> ``LigerRMSNorm``; ``MiniCPM5MoeMLP`` -> ``LigerSwiGLUMLP``; the routed experts ->
+    ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``MiniCPM5MoeTopkRouter`` -> ``LigerMiniCPM5MoeTopkRouter``
+    (logits in fp32 with autocast off, as natively); ``MiniCPM5MoeForCausalLM.forward`` -> ``lce_forward`` (or
+    ``ce_forward``).
+
+    Its gated GQA attention stays native (no Liger module computes it), so ``rope``, kept for liger-kernel's
+    parameter order, must be False.
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    if rope:
+        refuse_rope("minicpm5_moe", "gated GQA attention", "no Liger module computes its output gate")
+    options = v3_options(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        moe_router=moe_router,
+        fused_experts=fused_experts,
+        grouped_experts=grouped_experts,
+        vocab_chunked_lce=vocab_chunked_lce,
+    )
+    return apply_spec(MINICPM5_MOE_SPEC, options, model)
+
+
+def revert_liger_kernel_to_minicpm5_moe(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_minicpm5_moe``: the classes without a model, else that instance."""
+    return patching.revert(MINICPM5_MOE_SPEC, model)

@@ -1,0 +1,54 @@
+from liger_dspine import patching
+from liger_dspine.apply_options import checked_options
+from liger_dspine.models.deepseek_v3.apply import apply_spec
+from liger_dspine.models.deepseek_v3.apply import v3_options
+from liger_dspine.models.deepseek_v3.family import refuse_rope
+from liger_dspine.models.param2moe.spec import PARAM2MOE_SPEC
+
+
+@checked_options
+def apply_liger_kernel_to_param2moe(
+    rope: bool = False,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    model=None,
+    *,
+    moe_router: bool = True,
+    fused_experts: bool = False,
+    grouped_experts: bool = True,
+    vocab_chunked_lce: bool = False,
+) -> patching.PatchReport:
+    """Swap the modules of Param2-MoE (``param2moe``, built as ``Glm4MoeForCausalLM``) for Liger kernels;
+    liger-kernel's parameter order.
+
+    The swaps and options are ``apply_liger_kernel_to_glm4_moe``'s: ``Glm4MoeRMSNorm`` (the q / k norms included)
+    -> ``LigerRMSNorm``; ``Glm4MoeMLP`` -> ``LigerSwiGLUMLP``; the routed experts -> ``LigerGroupedExperts`` /
+    ``LigerFusedExperts``; ``Glm4MoeTopkRouter`` -> ``LigerGlm4MoeTopkRouter``; ``Glm4MoeForCausalLM.forward`` ->
+    ``lce_forward`` (or ``ce_forward``; a tied head is read as ``lm_head.weight``, like an untied one).
+
+    Its GQA attention stays native, so ``rope``, kept for liger-kernel's parameter order, must be False.
+
+    Returns:
+        A ``PatchReport`` listing what was replaced, old -> new.
+    """
+    if rope:
+        refuse_rope("param2moe")
+    options = v3_options(
+        rope=rope,
+        cross_entropy=cross_entropy,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        moe_router=moe_router,
+        fused_experts=fused_experts,
+        grouped_experts=grouped_experts,
+        vocab_chunked_lce=vocab_chunked_lce,
+    )
+    return apply_spec(PARAM2MOE_SPEC, options, model)
+
+
+def revert_liger_kernel_to_param2moe(model=None) -> list[str]:
+    """Undo ``apply_liger_kernel_to_param2moe``: the classes without a model, else that instance."""
+    return patching.revert(PARAM2MOE_SPEC, model)
