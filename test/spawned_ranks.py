@@ -42,6 +42,9 @@ def _gloo_rank(rank, world_size, folder, function, args):
     faulthandler.enable(file=log, all_threads=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
+    # what torchrun sets, and what transformers' distributed loading reads
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.path.join(folder, 'store')}",
