@@ -112,6 +112,8 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
     objective = setup.build_objective(args, target, device, dtype)
     draft = objective.draft_model
     capture = TargetCapture(target, draft.target_layer_ids)
+    if capture.head_input.field is not None:
+        logger.info("the target's head reads %s: the teacher is lm_head of it", capture.head_input)
     stream = data.RowStream(_rows(args, target, objective.mask_token_id), args.seed)
 
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
