@@ -117,3 +117,10 @@ def test_train_drafter_refuses_a_soft_capped_target_config(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith("liger-dspine: DSpine cannot train against this gemma2 target") and error.count("\n") == 1
     assert "final_logit_softcapping=30" in error, error
+
+
+def test_a_target_without_a_head_is_refused():
+    target = tiny_target()
+    target.get_output_embeddings = lambda: None
+    with pytest.raises(ValueError, match=r"^liger-dspine: DSpine needs a target with an lm_head; this qwen3 has none$"):
+        TargetCapture(target, [0, 1])

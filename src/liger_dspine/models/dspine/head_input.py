@@ -94,7 +94,9 @@ def probe_head_input(target: nn.Module, decoder: nn.Module) -> HeadInput:
             f"({name}={value:g}), cap * tanh(lm_head(state) / cap), which the objective's teacher lm_head(state) "
             "does not reproduce"
         )
-    head = target.get_output_embeddings()
+    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"liger-dspine: DSpine needs a target with an lm_head; this {model_type} has none")
     weight = head.weight
     probe = (torch.arange(PROBE_TOKENS, device=weight.device) * 7 + 1) % weight.shape[0]
     kept = []
@@ -103,7 +105,10 @@ def probe_head_input(target: nn.Module, decoder: nn.Module) -> HeadInput:
         output = target(input_ids=probe[None], use_cache=False)
     finally:
         handle.remove()
-    logits = (output.logits if hasattr(output, "logits") else output[0]).float()
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"liger-dspine: this {model_type} target's forward returned no logits on a probe of its head")
+    logits = logits.float()
     final = kept[-1][0] if isinstance(kept[-1], (tuple, list)) else kept[-1]
     final = final[:, final.shape[1] - logits.shape[1] :]
     bias = None if getattr(head, "bias", None) is None else head.bias.float()
