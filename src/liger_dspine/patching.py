@@ -18,7 +18,13 @@ package applied it. After the options are resolved, at most one enabled swap may
 
 Before an instance patch changes anything it refuses a module the replacement would compute differently: a subclass
 of the native class with a forward of its own, or one the replacement's ``check_convertible(module)`` refuses (a
-clamped or non-SiLU SwiGLU, expert biases).
+clamped SwiGLU, expert biases). A module the replacement's ``kept_native_reason(module)`` names a reason for (an
+activation its kernel does not fuse, a routing layout its kernel does not reproduce) stays native instead: a warning
+and the report's ``kept_native`` entries say so. At class level such a replacement builds or runs the native module
+itself (``replaced_native_class``).
+
+A replacement ``forward`` carries the native forward's annotations, signature and docstring on the class it is bound
+to (``dressed``): transformers reads them (the output-recording checks read the return annotation).
 
 A spec may also list ``ModuleCheck``s: what the modules of a model must hold according to its config (submodules,
 tensor shapes). An instance patch runs them before it swaps anything and refuses a model that fails one.
@@ -26,12 +32,17 @@ tensor shapes). An instance patch runs them before it swaps anything and refuses
 
 import importlib
 import inspect
+import logging
+import sys
 from dataclasses import dataclass
 from dataclasses import field
+from types import FunctionType
 from types import MethodType
 from typing import Callable
 
 import torch.nn as nn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,12 +97,23 @@ class Replacement:
 
 
 @dataclass
+class KeptNative:
+    """A module (or a module's method) a swap leaves native, since its replacement would not compute it."""
+
+    path: str  # the module's path in the model
+    native: str  # what it stays: its class, or "Class.method"
+    replacement: str  # what the swap would have put there
+    reason: str
+
+
+@dataclass
 class PatchReport:
-    """What an apply call replaced, old -> new; ``str()`` gives one line per replacement."""
+    """What an apply call replaced, old -> new, and what it kept native; ``str()`` gives one line per entry."""
 
     model_type: str
     scope: str  # "class" or "instance"
     replacements: list[Replacement] = field(default_factory=list)
+    kept_native: list[KeptNative] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"liger-dspine patch for {self.model_type} ({self.scope} level):"]
@@ -101,6 +123,8 @@ class PatchReport:
             count = f" x{r.count}" if r.count is not None else ""
             state = " (already patched)" if r.already else " (restored: option off)" if r.restored else ""
             lines.append(f"  {r.target}{count}: {r.old} -> {r.new}{state}")
+        for k in self.kept_native:
+            lines.append(f"  kept native: {k.path} ({k.native}, not {k.replacement}): {k.reason}")
         return "\n".join(lines)
 
     def __iter__(self):
@@ -202,6 +226,11 @@ def original_method(module_name: str, owner: str, method: str):
     return _ORIGINALS.get((module_name, f"{owner}.{method}"), vars(getattr(module, owner)).get(method))
 
 
+def original_global(module_name: str, name: str):
+    """``module_name.name`` as it was before any class-level swap of this package."""
+    return _original(importlib.import_module(module_name), name)
+
+
 def _original(module, name: str):
     """``module.name`` as it was before any class-level swap of this package."""
     return _ORIGINALS.get((module.__name__, name), getattr(module, name))
@@ -214,6 +243,132 @@ def _holder(swap, key: tuple[str, str]):
     if isinstance(swap, ClassSwap):
         return module, key[1]
     return getattr(module, swap.owner, None), swap.method
+
+
+def replacement_of(func):
+    """The replacement a bound function was made from (``dressed``): ``func`` itself for any other."""
+    return getattr(func, _DRESSED_FROM, func)
+
+
+_DRESSED_FROM = "_liger_dspine_replacement"  # attribute of a dressed copy: the replacement it copies
+_DRESSED: dict[tuple[Callable, Callable], FunctionType] = {}
+
+
+def dressed(new, native):
+    """``new`` as a function carrying ``native``'s ``__annotations__``, ``__signature__`` (the native parameters,
+    then ``new``'s own keyword parameters the native lacks) and ``__doc__``; name, module and code stay ``new``'s. One
+    copy per pair, so applying again binds the same object; ``replacement_of`` gives ``new`` back."""
+    new = replacement_of(new)
+    if not isinstance(new, FunctionType) or not isinstance(native, FunctionType) or new is native:
+        return new
+    copy = _DRESSED.get((new, native))
+    if copy is None:
+        copy = FunctionType(new.__code__, new.__globals__, new.__name__, new.__defaults__, new.__closure__)
+        copy.__dict__.update(new.__dict__)
+        copy.__kwdefaults__ = new.__kwdefaults__
+        copy.__qualname__ = new.__qualname__
+        copy.__module__ = new.__module__
+        copy.__doc__ = native.__doc__
+        copy.__annotations__ = dict(native.__annotations__)
+        copy.__signature__ = _merged_signature(new, native)
+        setattr(copy, _DRESSED_FROM, new)
+        _DRESSED[(new, native)] = copy
+    return copy
+
+
+def _merged_signature(new, native) -> inspect.Signature:
+    """``native``'s signature (those of its parameters ``new`` takes, every one when ``new`` takes ``**kwargs``),
+    with ``new``'s other named parameters as keyword-only ones before ``**kwargs``."""
+    own = inspect.signature(new).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own.values())
+    native_signature = inspect.signature(native)
+    params = [p for p in native_signature.parameters.values() if takes_any or p.name in own]
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    extra = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in own.values()
+        if p.name not in native_signature.parameters and p.kind in named and p.default is not inspect.Parameter.empty
+    ]
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return native_signature.replace(parameters=params[:at] + extra + params[at:])
+
+
+def _dress_forward(new, native) -> None:
+    """A replacement class derived from the native one (``Liger<Native>``) gets a ``forward`` of its own carrying the
+    native forward's annotations, signature and docstring (``dressed``), once."""
+    if not (isinstance(new, type) and isinstance(native, type) and issubclass(new, native)):
+        return
+    forward, native_forward = inspect.getattr_static(new, "forward"), inspect.getattr_static(native, "forward")
+    if replacement_of(forward) is native_forward or getattr(forward, _DRESSED_FROM, None) is not None:
+        return
+    setattr(new, "forward", dressed(forward, native_forward))
+
+
+def _bound_replacement(new, native, attribute: str):
+    """What a class-level swap binds: a replacement ``forward`` dressed as the native one; a class, its forward
+    dressed (``_dress_forward``); anything else as it is."""
+    if isinstance(new, type):
+        _dress_forward(new, native)
+        return new
+    return dressed(new, native) if attribute == "forward" else new
+
+
+def kept_native_reason(replacement, module) -> str | None:
+    """Why ``replacement`` leaves ``module`` native (its ``kept_native_reason(module)`` hook), or None."""
+    hook = getattr(replacement, "kept_native_reason", None)
+    return None if hook is None else hook(module)
+
+
+_WARNED_KEPT_NATIVE: set[tuple[str, str]] = set()
+
+
+def warn_kept_native(what: str, reason: str) -> None:
+    """Log once per ``what`` (a class, or a class's method) and reason that it stays native."""
+    if (what, reason) in _WARNED_KEPT_NATIVE:
+        return
+    _WARNED_KEPT_NATIVE.add((what, reason))
+    logger.warning("liger-dspine: %s stays native (transformers' own computation): %s", what, reason)
+
+
+def _keep_native(report: PatchReport, path: str, module, new, native: str) -> bool:
+    """Whether ``new`` leaves ``module`` native; if so a warning and a report entry say why."""
+    reason = kept_native_reason(new, module)
+    if reason is None:
+        return False
+    warn_kept_native(f"{native} (for {new.__name__})", reason)
+    report.kept_native.append(KeptNative(path or "(the model)", native, new.__name__, reason))
+    return True
+
+
+def replaced_native_class(replacement: type) -> type | None:
+    """The native class a class-level swap put ``replacement`` in place of, for a module being built now: that of the
+    modeling module whose code builds it (the nearest caller in a module whose global holds ``replacement``), else
+    the only one; None where no class-level swap holds ``replacement`` (or which one is ambiguous)."""
+    held: dict[str, set] = {}
+    for (module_name, name), original in _ORIGINALS.items():
+        module = sys.modules.get(module_name)
+        if isinstance(original, type) and module is not None and vars(module).get(name) is replacement:
+            held.setdefault(module_name, set()).add(original)
+    frame = sys._getframe(1)
+    while frame is not None:
+        natives = held.get(frame.f_globals.get("__name__"))
+        if natives:
+            return next(iter(natives)) if len(natives) == 1 else None
+        frame = frame.f_back
+    natives = set().union(*held.values())
+    return next(iter(natives)) if len(natives) == 1 else None
+
+
+def native_method(instance, method: str, replacement):
+    """The function ``instance.method`` would call without ``replacement`` (a class-level swap of a class in its
+    MRO): for a replacement that computes some inputs with transformers' own method."""
+    for cls in type(instance).__mro__:
+        if method not in vars(cls):
+            continue
+        found = _ORIGINALS.get((cls.__module__, f"{cls.__qualname__}.{method}"), vars(cls)[method])
+        if replacement_of(found) is not replacement:
+            return found
+    raise RuntimeError(f"liger-dspine: {type(instance).__name__} has no native {method} besides {replacement}")
 
 
 def _check_shared_targets(spec: PatchSpec, options: dict[str, bool]) -> None:
@@ -231,9 +386,9 @@ def _check_shared_targets(spec: PatchSpec, options: dict[str, bool]) -> None:
             new = load_object(swap.replacement)
             current = vars(holder).get(attribute)
             on = id(swap) in enabled
-            if current is new and on:
+            if replacement_of(current) is new and on:
                 continue
-            if current is not new and not on:
+            if replacement_of(current) is not new and not on:
                 continue
             action = "replace it by " + qualified_name(new) if on else f"undo it ({swap.option}=False)"
             raise ValueError(
@@ -269,13 +424,13 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
         current = vars(holder).get(attribute)
         key = (module.__name__, name)
         _HOLDERS.setdefault(key, set()).add(spec.model_type)
-        if current is new:
+        if replacement_of(current) is new:
             report.replacements.append(
                 Replacement(target, qualified_name(_ORIGINALS[key]), qualified_name(new), None, True)
             )
             continue
         _ORIGINALS.setdefault(key, current)
-        setattr(holder, attribute, new)
+        setattr(holder, attribute, _bound_replacement(new, _ORIGINALS[key], attribute))
         report.replacements.append(Replacement(target, qualified_name(current), qualified_name(new)))
     return report
 
@@ -288,7 +443,7 @@ def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
             continue
         holder, attribute = _holder(swap, key)
         new = load_object(swap.replacement)
-        if vars(holder).get(attribute) is not new:
+        if replacement_of(vars(holder).get(attribute)) is not new:
             continue  # another swap of the same target holds it now
         _HOLDERS.pop(key, None)
         original = _ORIGINALS.pop(key)
@@ -342,11 +497,16 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             if not isinstance(old, type):
                 _rebind_held_references(model, old, new, report)
                 continue
+            _dress_forward(new, old)
             converted = already = 0
-            for module in model.modules():
+            for path, module in model.named_modules():
+                if not isinstance(module, (old, new)):
+                    continue
+                if _keep_native(report, path, module, new, type(module).__name__):
+                    continue
                 if isinstance(module, new):
                     already += 1
-                elif isinstance(module, old):
+                else:
                     _convert(module, new)
                     converted += 1
             _record_conversions(report, f"{old.__name__} modules", old, new, converted, already)
@@ -357,13 +517,17 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
                     raise RuntimeError(f"liger-dspine: {owner.__qualname__} has no {swap.method}")
                 continue
             converted = already = 0
-            for instance in (m for m in model.modules() if isinstance(m, owner)):
+            for path, instance in model.named_modules():
+                if not isinstance(instance, owner):
+                    continue
+                if _keep_native(report, path, instance, new, f"{type(instance).__name__}.{swap.method}"):
+                    continue
                 effective = _effective_method(instance, swap.method)
                 if _bound_method(instance, swap.method) is not new:
                     # bound even where a class-level patch put the same function on the class (reported as
                     # already patched): the instance patch then outlives a revert of the class level
                     setattr(instance, swap.method, MethodType(new, instance))
-                if effective is new:
+                if replacement_of(effective) is new:
                     already += 1
                 else:
                     converted += 1
@@ -400,7 +564,7 @@ def _check_convertible(spec: PatchSpec, options: dict[str, bool], model: nn.Modu
         new = load_object(swap.replacement)
         check = getattr(new, "check_convertible", None)
         for path, module in model.named_modules():
-            if isinstance(module, new) or not isinstance(module, old):
+            if isinstance(module, new) or not isinstance(module, old) or kept_native_reason(new, module):
                 continue
             if type(module) in undone:
                 if check is not None:
@@ -431,7 +595,7 @@ def _check_method_not_overridden(spec: PatchSpec, swap: MethodSwap, model: nn.Mo
         return
     accepted = (original_method(module_name, swap.owner, swap.method), load_object(swap.replacement))
     for path, instance in model.named_modules():
-        if isinstance(instance, owner) and getattr(type(instance), swap.method) not in accepted:
+        if isinstance(instance, owner) and replacement_of(getattr(type(instance), swap.method)) not in accepted:
             raise ValueError(
                 f"liger-dspine: {path or type(model).__name__} is a {type(instance).__name__}, a subclass of "
                 f"{swap.owner} with a {swap.method} of its own, which the {swap.option} swap would replace by "
@@ -500,10 +664,10 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
         return  # this version has no such method: nothing was applied
     restored = 0
     for instance in (m for m in model.modules() if isinstance(m, owner)):
-        if _effective_method(instance, swap.method) is not new:
+        if replacement_of(_effective_method(instance, swap.method)) is not new:
             continue
         vars(instance).pop(swap.method, None)
-        if getattr(type(instance), swap.method) is new:  # patched at class level: this instance takes the original
+        if replacement_of(getattr(type(instance), swap.method)) is new:  # patched at class level: the original
             original = _ORIGINALS[((swap.module or spec.module), f"{swap.owner}.{swap.method}")]
             from liger_dspine import pickling  # the bound original pickles by where it lives
 

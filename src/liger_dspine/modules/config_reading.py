@@ -16,6 +16,19 @@ def check_silu(activation, what: str) -> None:
         raise ValueError(f"liger-dspine: {what} computes silu(gate) * up only; the activation is {activation!r}")
 
 
+def unfused_activation_reason(config, module: nn.Module | None = None) -> str | None:
+    """Why a SiLU-fusing kernel would not compute a SwiGLU MLP or experts module: ``config.hidden_act``, or the
+    module's own ``act_fn``, is another activation (GELU in transformers' tiny test configs); None otherwise (a
+    config naming no activation is left to ``check_activation``)."""
+    activation = getattr(config, "hidden_act", None)
+    if activation is not None and activation not in SILU_ACTIVATIONS:
+        return f"config.hidden_act is {activation!r}, and the kernel fuses SiLU only"
+    act_fn = None if module is None else getattr(module, "act_fn", None)
+    if act_fn is not None and not is_silu_module(act_fn):
+        return f"its act_fn is {type(act_fn).__name__}, and the kernel fuses SiLU only"
+    return None
+
+
 def check_activation(config, what: str) -> None:
     """``check_silu`` of ``config.hidden_act``, naming that field."""
     activation = getattr(config, "hidden_act", None)

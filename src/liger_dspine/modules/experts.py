@@ -5,6 +5,8 @@ from torch import nn
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import expert_sizes
+from liger_dspine.modules.config_reading import unfused_activation_reason
+from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.ops.first_order import first_order_boundary
 
 
@@ -13,7 +15,12 @@ class LigerFusedExperts(nn.Module):
 
     Weights as transformers' batched experts: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
     forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H].
+
+    Experts with another activation stay native, as for ``LigerGroupedExperts``.
     """
+
+    def __new__(cls, *args, **kwargs):
+        return native_instead(cls, args, kwargs) or super().__new__(cls)
 
     def __init__(self, config):
         super().__init__()
@@ -21,6 +28,10 @@ class LigerFusedExperts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    @staticmethod
+    def kept_native_reason(module: nn.Module) -> str | None:
+        return unfused_activation_reason(getattr(module, "config", None), module)
 
     @classmethod
     def check_convertible(cls, module: nn.Module) -> None:

@@ -4,6 +4,8 @@ from torch import nn
 from liger_dspine.modules.config_reading import check_silu
 from liger_dspine.modules.config_reading import expert_sizes
 from liger_dspine.modules.config_reading import swiglu_limit
+from liger_dspine.modules.config_reading import unfused_activation_reason
+from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
 
 
@@ -37,7 +39,14 @@ class LigerGroupedExperts(nn.Module):
     DeepSeek-V4's clamped experts (``DeepseekV4Experts._apply_gate``, ``config.swiglu_limit``) are taken too:
     ``limit`` (the module's own, else the config's) clamps gate and up inside the SiLU-mul kernels. Any other clamp,
     or a subclass with a gate function of its own, is refused.
+
+    Experts with another activation (``config.hidden_act`` or their ``act_fn``) stay native: an instance patch leaves
+    them, and under a class-level patch the modeling module's code builds the native experts
+    (``modules/native_fallback.py``), with a warning.
     """
+
+    def __new__(cls, *args, **kwargs):
+        return native_instead(cls, args, kwargs) or super().__new__(cls)
 
     def __init__(self, config):
         super().__init__()
@@ -46,6 +55,10 @@ class LigerGroupedExperts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    @staticmethod
+    def kept_native_reason(module: nn.Module) -> str | None:
+        return unfused_activation_reason(getattr(module, "config", None), module)
 
     @classmethod
     def check_convertible(cls, module: nn.Module) -> None:

@@ -5,6 +5,8 @@ from torch import nn
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
+from liger_dspine.modules.config_reading import unfused_activation_reason
+from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.ops.clamped_silu_mul import liger_clamped_silu_mul
 from liger_dspine.ops.first_order import first_order_boundary
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
@@ -23,7 +25,14 @@ class LigerSwiGLUMLP(nn.Module):
     DeepSeek-V4's clamped MLP (``DeepseekV4MLP``, ``config.swiglu_limit``) is taken too: ``limit`` (the module's own,
     else the config's) clamps gate and up in the SiLU-mul kernel, ``silu(gate.clamp(max=limit)) *
     up.clamp(-limit, limit)``, and ``down_proj`` runs on the product. Any other clamp is refused.
+
+    An MLP with another activation (``config.hidden_act`` or its ``act_fn``) stays native: an instance patch leaves
+    it, and under a class-level patch the modeling module's code builds the native MLP
+    (``modules/native_fallback.py``), with a warning.
     """
+
+    def __new__(cls, *args, **kwargs):
+        return native_instead(cls, args, kwargs) or super().__new__(cls)
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
@@ -39,6 +48,10 @@ class LigerSwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+
+    @staticmethod
+    def kept_native_reason(module: nn.Module) -> str | None:
+        return unfused_activation_reason(getattr(module, "config", None), module)
 
     @classmethod
     def check_convertible(cls, module: nn.Module) -> None:

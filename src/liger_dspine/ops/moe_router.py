@@ -15,10 +15,12 @@ Selection, per token row of ``router_logits [T, E]`` (fp32):
 Greedy selection (DeepSeek-V2's "greedy") is one group: ``n_group = topk_group = 1``.
 
 Any expert count, ``n_group`` dividing it into groups (of at least 2 for "top2"), ``1 <= topk_group <= n_group``
-and ``1 <= top_k <= topk_group * group size`` (others are refused; transformers fails on them or picks masked
-experts). Group and slot axes are padded to powers of two inside the kernel; padding slots never alias a real
-expert. The softmax backward needs every expert's score: it keeps the logits (the router GEMM's output, alive
-anyway) and one log-sum-exp per row, and recomputes them.
+and ``1 <= top_k <= topk_group * group size`` (others are refused; transformers fails on them or, for a larger
+``top_k``, fills the top-k with experts of the dropped groups, whose masked scores tie, in ``torch.topk``'s tie
+order: ``masked_topk_reason`` names that layout, and the router modules compute it with transformers' own routing).
+Group and slot axes are padded to powers of two inside the kernel; padding slots never alias a real expert. The
+softmax backward needs every expert's score: it keeps the logits (the router GEMM's output, alive anyway) and one
+log-sum-exp per row, and recomputes them.
 
 Ties. The ``top_k`` entries of a row are ordered by ``choice`` (biased score), largest first. On an exact tie, of
 group scores or of ``choice``, the lower group or expert index is taken first. transformers' ``topk(sorted=False)``
@@ -279,10 +281,28 @@ def check_router_config(
     if not 1 <= topk_group <= n_group:
         raise ValueError(f"liger-dspine: topk_group={topk_group} must be in [1, n_group={n_group}]")
     if not 1 <= top_k <= topk_group * group_size:
+        native = masked_topk_reason(num_experts, top_k, n_group, topk_group)
         raise ValueError(
             f"liger-dspine: num_experts_per_tok={top_k} must be in "
-            f"[1, topk_group * group size = {topk_group * group_size}]"
+            f"[1, topk_group * group size = {topk_group * group_size}] for the routing kernel"
+            + ("; the router modules route such a layout with transformers' own routing" if native else "")
         )
+
+
+def masked_topk_reason(num_experts: int, top_k: int, n_group: int, topk_group: int) -> str | None:
+    """Why the kernel does not route a grouping transformers computes: ``top_k`` beyond the experts of the kept groups
+    (and at most ``num_experts``), so that native routing takes experts of dropped groups, tied at their masked score,
+    in ``torch.topk``'s order; None for any other grouping (``check_router_config`` judges those)."""
+    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+        return None
+    kept = topk_group * (num_experts // n_group)
+    if not kept < top_k <= num_experts:
+        return None
+    return (
+        f"num_experts_per_tok={top_k} exceeds the {kept} experts of the topk_group={topk_group} kept group(s), so "
+        "transformers fills the top-k with experts of dropped groups, tied at their masked score, in torch.topk's "
+        "tie order, which the routing kernel does not reproduce"
+    )
 
 
 def _tokens_per_program(padded_row: int, tile: int) -> int:

@@ -1,6 +1,7 @@
 """The SwiGLU MLP and experts replacements refuse what they would compute differently: a clamped SwiGLU
-(``swiglu_limit`` / ``limit``, as DeepSeek-V4 and GLM-5.3 have), an activation other than SiLU, a subclass with a
-forward of its own. At construction (class level) and before an instance patch changes anything."""
+(``swiglu_limit`` / ``limit``, as DeepSeek-V4 and GLM-5.3 have), a subclass with a forward of its own. At
+construction (class level) and before an instance patch changes anything. An activation other than SiLU is refused
+when a Liger module is built directly; a patch keeps such modules native (``test_unfused_activation.py``)."""
 
 import sys
 from pathlib import Path
@@ -68,12 +69,18 @@ def test_instance_patch_refuses_a_module_that_clamps():
 
 
 @pytest.mark.parametrize("options", [{}, {"fused_experts": True}], ids=["grouped", "fused"])
-def test_instance_patch_refuses_experts_with_another_activation(options):
+def test_instance_patch_keeps_experts_with_another_activation_native(options):
+    """Their own act_fn (the config says SiLU): the experts stay as they are, the report and a warning say why."""
     model = build_model(tiny_deepseek_v3_config())
     experts = model.model.layers[1].mlp.experts
     experts.act_fn = torch.nn.GELU()
-    name = "LigerFusedExperts" if options else "LigerGroupedExperts"
-    assert_refused_unchanged(model, f"{name} computes silu\\(gate\\) \\* up.*act_fn is GELU", **options)
+    report = apply_liger_kernel_to_deepseek_v3(model=model, **options)
+    assert type(experts) is native_experts_class()
+    (kept,) = report.kept_native
+    assert kept.path == "model.layers.1.mlp.experts"
+    assert kept.replacement == ("LigerFusedExperts" if options else "LigerGroupedExperts")
+    assert kept.reason == "its act_fn is GELU, and the kernel fuses SiLU only"
+    assert type(model.model.layers[1].mlp.shared_experts) is LigerSwiGLUMLP
 
 
 def test_instance_patch_refuses_a_subclass_with_its_own_gate_function():

@@ -20,6 +20,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from liger_dspine.models.deepseek_v3.router import LigerDeepseekV3TopkRouter
 from liger_dspine.models.deepseek_v3.router import liger_route_tokens_to_experts
 from liger_dspine.ops.moe_router import liger_moe_router_topk
+from liger_dspine.ops.moe_router import masked_topk_reason
 from tiny_models import tiny_router_config
 
 pytestmark = pytest.mark.matrix
@@ -319,8 +320,10 @@ def test_nan_hidden_row_gives_native_gradients(layout):
     torch.testing.assert_close(liger.weight.grad, native.weight.grad, equal_nan=True)
 
 
-def test_refused_layouts_are_those_native_cannot_route():
-    """Groups of one expert fail natively; more experts than the kept groups hold make native pick masked ones."""
+def test_layouts_the_kernel_refuses():
+    """Groups of one expert fail natively; more experts than the kept groups hold make native pick masked ones, tied
+    at their masked score, in torch.topk's order: the kernel refuses that layout and names the router modules'
+    native routing (``family/test_router_native_layouts.py``), and a top-k beyond the experts fails natively too."""
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
     bias = torch.zeros(8)
     with pytest.raises(RuntimeError):
@@ -329,5 +332,32 @@ def test_refused_layouts_are_those_native_cannot_route():
         liger_moe_router_topk(logits, bias, top_k=2, n_group=8, topk_group=2)
     _, ref_indices = native_routing(logits, bias, Layout(8, 2, 1, 5))
     assert (ref_indices.div(4, rounding_mode="floor") != ref_indices[:, :1].div(4, rounding_mode="floor")).any()
-    with pytest.raises(ValueError, match="liger-dspine: num_experts_per_tok=5"):
+    assert masked_topk_reason(8, 5, 2, 1).startswith("num_experts_per_tok=5 exceeds the 4 experts")
+    with pytest.raises(
+        ValueError, match=r"liger-dspine: num_experts_per_tok=5 .*; the router modules route such a layout with"
+    ):
         liger_moe_router_topk(logits, bias, top_k=5, n_group=2, topk_group=1)
+    with pytest.raises(RuntimeError):
+        native_routing(logits, bias, Layout(8, 2, 1, 9))
+    assert masked_topk_reason(8, 9, 2, 1) is None
+    with pytest.raises(
+        ValueError,
+        match=r"num_experts_per_tok=9 must be in \[1, topk_group \* group size = 4\] for the routing kernel$",
+    ):
+        liger_moe_router_topk(logits, bias, top_k=9, n_group=2, topk_group=1)
+
+
+@pytest.mark.parametrize("layout", [Layout(8, 2, 1, 8), Layout(12, 3, 1, 7), Layout(20, 4, 2, 11)], ids=layout_id)
+def test_layouts_beyond_the_kept_groups_route_as_native(layout):
+    """The router (or, before transformers 5.13, the MoE block's method) runs transformers' own routing there: the
+    same indices in the same order, weights and gradients, exactly."""
+    native, liger, moe = make_routers(layout, seed=11)
+    hidden = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(11))
+    hidden_ours, hidden_ref = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    weights, indices = route(liger, moe, hidden_ours)
+    ref_weights, ref_indices = route(native, moe, hidden_ref)
+    assert torch.equal(indices, ref_indices) and torch.equal(weights, ref_weights)
+    upstream = torch.randn(weights.shape, generator=torch.Generator().manual_seed(12))
+    (weights * upstream).sum().backward()
+    (ref_weights * upstream).sum().backward()
+    assert torch.equal(hidden_ours.grad, hidden_ref.grad) and torch.equal(liger.weight.grad, native.weight.grad)

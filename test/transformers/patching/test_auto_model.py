@@ -17,6 +17,7 @@ from liger_dspine.modules.experts import LigerFusedExperts
 from liger_dspine.modules.grouped_experts import LigerGroupedExperts
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
+from liger_dspine.patching import replacement_of
 from tiny_models import build_model
 from tiny_models import changed_modeling_globals
 from tiny_models import class_patches_reverted
@@ -73,7 +74,7 @@ def test_from_pretrained_splits_patch_options_from_transformers_kwargs(class_lev
     types = kinds(model)
     assert types.count(LigerRMSNorm) == 9 and LigerSwiGLUMLP not in types and LigerFusedExperts not in types
     assert LigerGroupedExperts not in types  # routed experts follow swiglu
-    assert DeepseekV3ForCausalLM.forward is lce_forward
+    assert replacement_of(DeepseekV3ForCausalLM.forward) is lce_forward
     assert model.state_dict().keys() == native_model.state_dict().keys()
     with torch.no_grad():
         logits = model(input_ids).logits

@@ -15,6 +15,7 @@ from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
 from liger_dspine.modules.causal_lm_forward import lce_forward
 from liger_dspine.modules.rms_norm import LigerRMSNorm
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP
+from liger_dspine.patching import replacement_of
 from tiny_models import build_model
 from tiny_models import changed_modeling_globals
 from tiny_models import class_patches_reverted
@@ -49,7 +50,7 @@ def test_reverting_kimi_keeps_the_deepseek_v3_patch_that_shares_its_classes(both
     apply_liger_kernel_to_deepseek_v3()
     apply_liger_kernel_to_kimi_k25()
     revert_liger_kernel_to_kimi_k25()
-    assert _deepseek_v3_patched() and modeling.DeepseekV3ForCausalLM.forward is lce_forward
+    assert _deepseek_v3_patched() and replacement_of(modeling.DeepseekV3ForCausalLM.forward) is lce_forward
     revert_liger_kernel_to_deepseek_v3()
     assert changed_modeling_globals(both_reverted) == []
 

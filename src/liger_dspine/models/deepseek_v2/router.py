@@ -15,6 +15,11 @@ Three layouts of transformers: a router module whose forward returns ``(router_l
 Mistral-Small-4 before 5.13, a router returning only the logits (the Liger router then does the same) and the
 selection in ``Mistral4MoE.route_tokens_to_experts`` (:func:`liger_top2_route_tokens_to_experts`). The layout is read
 from the router instance (the newer one sets ``num_group``).
+
+A grouping whose ``num_experts_per_tok`` exceeds the experts of the kept groups is routed by transformers' own code
+(it picks experts of the dropped groups, tied at the masked score 0, in ``torch.topk``'s tie order): an instance patch
+leaves such a router (or MoE block) native, and one built under a class-level patch calls the native forward or
+method, with a warning (``ops.moe_router.masked_topk_reason``).
 """
 
 import torch
@@ -23,6 +28,9 @@ import torch.nn.functional as F
 from liger_dspine.ops.moe_router import check_router_config
 from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
+from liger_dspine.ops.moe_router import masked_topk_reason
+from liger_dspine.patching import native_method
+from liger_dspine.patching import warn_kept_native
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -54,6 +62,20 @@ class LigerSoftmaxTopkRouter:
             return dict(n_group=self.num_group, topk_group=self.topk_group, group_score="top2")
         return deepseek_v2_selection(topk_method, self.num_group, self.topk_group)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reason = self.kept_native_reason(self)
+        if reason is not None:
+            warn_kept_native(f"{type(self).__name__}'s routing", reason)
+
+    @classmethod
+    def kept_native_reason(cls, module: torch.nn.Module) -> str | None:
+        """Why the kernel does not route this router's selection (transformers' own routing does), or None."""
+        if not hasattr(module, "num_group"):  # an older layout: the MoE block's method routes
+            return None
+        selection = cls._selection(module)
+        return masked_topk_reason(module.weight.shape[0], module.top_k, selection["n_group"], selection["topk_group"])
+
     @classmethod
     def check_convertible(cls, module: torch.nn.Module) -> None:
         """Refuse, before a patch, a selection the kernel cannot honour (checked by the MoE block's method before
@@ -63,6 +85,8 @@ class LigerSoftmaxTopkRouter:
             check_router_config(module.weight.shape[0], module.top_k, score_func="softmax", **selection)
 
     def forward(self, hidden_states: torch.Tensor):
+        if self.kept_native_reason(self) is not None:
+            return super().forward(hidden_states)
         hidden_states = hidden_states.view(-1, self.weight.shape[1])
         if self.logits_in_fp32:
             router_logits = liger_router_logits(hidden_states, self.weight)
@@ -86,7 +110,11 @@ class LigerSoftmaxTopkRouter:
 
 def liger_deepseek_v2_route_tokens_to_experts(self, router_logits: torch.Tensor):
     """Replacement for ``DeepseekV2Moe.route_tokens_to_experts`` of transformers < 5.17: ``router_logits [B, S, E]``
-    fp32 -> ``(topk_indices [T, K] int64, topk_weights [T, K] fp32)``, in that method's order."""
+    fp32 -> ``(topk_indices [T, K] int64, topk_weights [T, K] fp32)``, in that method's order; a grouping the kernel
+    does not route runs the native method."""
+    reason = _v2_block_reason(self, router_logits.shape[-1])
+    if reason is not None:
+        return _native_routing(self, router_logits, liger_deepseek_v2_route_tokens_to_experts, reason)
     router_logits = router_logits.reshape(-1, router_logits.shape[-1])
     topk_weights, topk_indices = liger_moe_router_topk(
         router_logits,
@@ -103,7 +131,11 @@ def liger_deepseek_v2_route_tokens_to_experts(self, router_logits: torch.Tensor)
 def liger_top2_route_tokens_to_experts(self, router_logits: torch.Tensor):
     """Replacement for ``Mistral4MoE.route_tokens_to_experts`` of transformers < 5.13 (softmax, groups scored by
     their top-2 sum, ``norm_topk_prob``): ``router_logits [T, E]`` -> ``(topk_indices [T, K] int64, topk_weights
-    [T, K])``, in that method's order; the selection in fp32, as :class:`LigerSoftmaxTopkRouter`'s."""
+    [T, K])``, in that method's order; the selection in fp32, as :class:`LigerSoftmaxTopkRouter`'s. A grouping the
+    kernel does not route runs the native method."""
+    reason = _top2_block_reason(self, router_logits.shape[-1])
+    if reason is not None:
+        return _native_routing(self, router_logits, liger_top2_route_tokens_to_experts, reason)
     topk_weights, topk_indices = liger_moe_router_topk(
         router_logits,
         None,
@@ -116,3 +148,26 @@ def liger_top2_route_tokens_to_experts(self, router_logits: torch.Tensor):
         group_score="top2",
     )
     return topk_indices, topk_weights
+
+
+def _v2_block_reason(block: torch.nn.Module, num_experts: int | None = None) -> str | None:
+    """Why the kernel does not route DeepSeek-V2's MoE block (transformers < 5.17), or None."""
+    num_experts = block.gate.weight.shape[0] if num_experts is None else num_experts
+    selection = deepseek_v2_selection(block.topk_method, block.num_group, block.topk_group)
+    return masked_topk_reason(num_experts, block.top_k, selection["n_group"], selection["topk_group"])
+
+
+def _top2_block_reason(block: torch.nn.Module, num_experts: int | None = None) -> str | None:
+    """Why the kernel does not route Mistral-Small-4's MoE block (transformers < 5.13), or None."""
+    num_experts = block.gate.weight.shape[0] if num_experts is None else num_experts
+    return masked_topk_reason(num_experts, block.top_k, block.n_group, block.topk_group)
+
+
+def _native_routing(block: torch.nn.Module, router_logits: torch.Tensor, replacement, reason: str):
+    """transformers' own ``route_tokens_to_experts`` of ``block``, with the warning that says so."""
+    warn_kept_native(f"{type(block).__name__}.route_tokens_to_experts", reason)
+    return native_method(block, "route_tokens_to_experts", replacement)(block, router_logits)
+
+
+liger_deepseek_v2_route_tokens_to_experts.kept_native_reason = _v2_block_reason
+liger_top2_route_tokens_to_experts.kept_native_reason = _top2_block_reason

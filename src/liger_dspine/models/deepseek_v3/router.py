@@ -15,6 +15,12 @@ GLM-4.7-Flash, dots.llm1, A.X-K1) each get a ``Liger<Native>`` class from it and
 
 Numbers equal the native ones up to fp32 rounding; within a token the ``top_k`` entries are ordered by biased
 score, largest first (transformers leaves the order unspecified; the experts combine by weight).
+
+A grouping whose ``num_experts_per_tok`` exceeds the experts of the kept groups (transformers' tiny test config: 8
+experts, 2 groups, 1 kept, top-8) is routed natively: transformers then takes experts of the dropped groups, tied at
+their masked score, in ``torch.topk``'s tie order (``ops.moe_router.masked_topk_reason``). An instance patch leaves
+such a router native; one built under a class-level patch, or the MoE block's method, calls transformers' own code.
+A warning says so.
 """
 
 import torch
@@ -23,6 +29,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from liger_dspine.ops.moe_router import check_router_config
 from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
+from liger_dspine.ops.moe_router import masked_topk_reason
+from liger_dspine.patching import native_method
+from liger_dspine.patching import warn_kept_native
 
 
 class LigerTopkRouter:
@@ -32,6 +41,19 @@ class LigerTopkRouter:
     Same parameters and buffers as the native router (``weight [E, H]``, ``e_score_correction_bias [E]``).
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reason = self.kept_native_reason(self)
+        if reason is not None:
+            warn_kept_native(f"{type(self).__name__}'s routing", reason)
+
+    @staticmethod
+    def kept_native_reason(module: torch.nn.Module) -> str | None:
+        """Why the kernel does not route this router's grouping (transformers' own routing does), or None."""
+        if not hasattr(module, "num_group"):  # transformers < 5.13: the MoE block's method routes
+            return None
+        return masked_topk_reason(module.weight.shape[0], module.top_k, module.num_group, module.topk_group)
+
     @staticmethod
     def check_convertible(module: torch.nn.Module) -> None:
         """Refuse, before a patch, a grouping the kernel cannot honour (checked by the MoE block's method before
@@ -40,6 +62,8 @@ class LigerTopkRouter:
             check_router_config(module.weight.shape[0], module.top_k, module.num_group, module.topk_group)
 
     def forward(self, hidden_states: torch.Tensor):
+        if self.kept_native_reason(self) is not None:
+            return super().forward(hidden_states)
         hidden_states = hidden_states.view(-1, self.weight.shape[1])
         router_logits = liger_router_logits(hidden_states, self.weight)
         if not hasattr(self, "num_group"):
@@ -65,7 +89,12 @@ def liger_route_tokens_to_experts(self, router_logits: torch.Tensor) -> tuple[to
     """Replacement for ``DeepseekV3MoE.route_tokens_to_experts`` (and its copies) of transformers < 5.13.
 
     ``router_logits [T, E]`` -> ``(topk_indices [T, K] int64, topk_weights [T, K])``, in that method's order.
+    A grouping the kernel does not route runs the native method.
     """
+    reason = masked_topk_reason(router_logits.shape[-1], self.top_k, self.n_group, self.topk_group)
+    if reason is not None:
+        warn_kept_native(f"{type(self).__name__}.route_tokens_to_experts", reason)
+        return native_method(self, "route_tokens_to_experts", liger_route_tokens_to_experts)(self, router_logits)
     topk_weights, topk_indices = liger_moe_router_topk(
         router_logits,
         self.gate.e_score_correction_bias,
@@ -76,3 +105,11 @@ def liger_route_tokens_to_experts(self, router_logits: torch.Tensor) -> tuple[to
         routed_scaling_factor=self.routed_scaling_factor,
     )
     return topk_indices, topk_weights
+
+
+def _moe_block_reason(block: torch.nn.Module) -> str | None:
+    """``kept_native_reason`` of a MoE block routing in its own method (transformers < 5.13)."""
+    return masked_topk_reason(block.gate.weight.shape[0], block.top_k, block.n_group, block.topk_group)
+
+
+liger_route_tokens_to_experts.kept_native_reason = _moe_block_reason
