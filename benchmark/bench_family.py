@@ -1,8 +1,9 @@
 """DeepSeek-family training-step benchmark on one GPU: native transformers ("hf"), liger-kernel ("liger", where it
-has a patch for the model) and liger-dspine, at 2 layers of real widths (family_configs.py): DeepSeek-V2-Lite-like
-and GLM-4.7-Flash-like at 4096 and 16384 tokens, DeepSeek-V3.2-like at 4096 and 8192; DeepSeek-V4-Flash-like at 3
-layers (sliding window, CSA, HCA; hash and learned routers), 4096, 7168 (the longest that native and liger-kernel
-run) and 8192, liger-dspine with its defaults (the attention kernel and hyper-connections included).
+has a patch for the model) and liger-dspine, at 2 layers of real widths (family_configs.py): DeepSeek-V2-Lite-like,
+GLM-4.7-Flash-like and MiniCPM5-MoE-like (transformers 5.25) at 4096 and 16384 tokens, DeepSeek-V3.2-like at 4096 and
+8192; DeepSeek-V4-Flash-like at 3 layers (sliding window, CSA, HCA; hash and learned routers), 4096, 7168 (the longest
+that native and liger-kernel run) and 8192, liger-dspine with its defaults (the attention kernel and hyper-connections
+included).
 
 The engine is bench_deepseek_v3.py's: one process per configuration, two warm-ups (the first timed from the built
 model: first_step_s), the mean of three timed steps, peak memory over them, the loss of the last step (same model

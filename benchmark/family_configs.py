@@ -1,6 +1,7 @@
 """The DeepSeek-family models of the benchmark: real widths at fewer layers, their lengths, and what serves them.
 
-``deepseek_v2`` and ``glm4_moe_lite`` keep their real expert counts (64 experts of width 1408 / 1536 fit one GPU);
+``deepseek_v2``, ``glm4_moe_lite`` and ``minicpm5_moe`` keep their real expert counts (64 experts of width 1408 /
+1536, 160 of width 512: they fit one GPU);
 ``deepseek_v32`` has DeepSeek-V3's widths, so its experts are slimmed as in bench_deepseek_v3.py.
 --tiny builds the tests' tiny configuration of the model (test/tiny_family.py) at the same depth.
 """
@@ -78,6 +79,25 @@ DEEPSEEK_V32_SLIM = dict(
     index_topk=2048,
 )
 
+# MiniCPM5-15B-A2.5B, the config's defaults spelled out: sigmoid top-16 of 160 experts of width 512 with a correction
+# bias (one group), 1 shared expert; gated GQA attention, 32 heads of width 128 on 2 key-value heads.
+MINICPM5_MOE = dict(
+    vocab_size=130560,
+    hidden_size=2048,
+    intermediate_size=8192,
+    moe_intermediate_size=512,
+    num_attention_heads=32,
+    num_key_value_heads=2,
+    head_dim=128,
+    n_routed_experts=160,
+    num_experts_per_tok=16,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=3.66,
+    norm_topk_prob=True,
+)
+
 # DeepSeek-V4-Flash: the config's defaults (hidden 4096, 64 heads of width 512 on one shared key-value head, window
 # 128, CSA rate 4 with a top-512 indexer, HCA rate 128, 4 hyper-connection streams, top-6 routing) with 16 routed
 # experts; the layer plan (LAYER_PLANS) has one layer of each attention kind and both router kinds.
@@ -89,6 +109,7 @@ FAMILY = {
     "glm4_moe_lite": ("GLM-4.7-Flash-like", "Glm4MoeLite", GLM_47_FLASH, (4096, 16384)),
     "deepseek_v32": ("DeepSeek-V3.2-like", "DeepseekV32", DEEPSEEK_V32_SLIM, (4096, 8192)),
     "deepseek_v4": ("DeepSeek-V4-Flash-like", "DeepseekV4", DEEPSEEK_V4_SLIM, (4096, 7168, 8192)),
+    "minicpm5_moe": ("MiniCPM5-MoE-like", "MiniCPM5Moe", MINICPM5_MOE, (4096, 16384)),
 }
 # models benchmarked at another depth than 2 layers, with their per-layer plan
 LAYER_PLANS = {
@@ -146,7 +167,7 @@ def why_not_available(model: str, tiny: bool) -> str | None:
     import transformers
 
     if importlib.util.find_spec(f"transformers.models.{model}") is None:
-        return f"transformers {transformers.__version__} has no {model} (install 5.24: run_gpu.sh NEW_TRANSFORMERS=1)"
+        return f"transformers {transformers.__version__} has no {model} (a newer one: run_gpu.sh NEW_TRANSFORMERS=1)"
     from liger_dspine import registry
 
     if model not in registry.MODEL_TYPE_TO_APPLY_LIGER_FN:

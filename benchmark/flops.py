@@ -8,24 +8,26 @@ A multiply-add counts 2 FLOPs. Causal attention scores cost half of the full squ
 def forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
     """Multiply-adds per token of one forward pass at sequence length ``seq_len``, by component.
 
-    Components: ``attention_projections`` (MLA: q down/up or q, kv down, kv up, output), ``attention_scores``
-    (q.k and p.v over a causal context of seq_len / 2 on average), ``dense_mlp``, ``router``, ``routed_experts``
-    (top-k active experts), ``shared_experts``, ``lm_head``.
+    Components: ``attention_projections`` (MLA: q down/up or q, kv down, kv up, output; GQA: q, k, v, output),
+    ``attention_scores`` (q.k and p.v over a causal context of seq_len / 2 on average), ``dense_mlp``, ``router``,
+    ``routed_experts`` (top-k active experts), ``shared_experts``, ``lm_head``.
     """
     if getattr(config, "model_type", "") == "deepseek_v4":
         return _deepseek_v4_forward_macs_per_token(config, seq_len)
     hidden = config.hidden_size
     heads = config.num_attention_heads
-    qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
-    v_head = config.v_head_dim
-    q_lora = getattr(config, "q_lora_rank", None)
-
-    q_proj = hidden * q_lora + q_lora * heads * qk_head if q_lora else hidden * heads * qk_head
-    kv_down = hidden * (config.kv_lora_rank + config.qk_rope_head_dim)
-    kv_up = config.kv_lora_rank * heads * (config.qk_nope_head_dim + v_head)
-    out_proj = heads * v_head * hidden
-    projections_per_layer = q_proj + kv_down + kv_up + out_proj
-    scores_per_layer = heads * (qk_head + v_head) * seq_len / 2
+    if getattr(config, "kv_lora_rank", None) is None:
+        projections_per_layer, scores_per_layer = _gqa_macs_per_layer(config, seq_len)
+    else:
+        qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+        v_head = config.v_head_dim
+        q_lora = getattr(config, "q_lora_rank", None)
+        q_proj = hidden * q_lora + q_lora * heads * qk_head if q_lora else hidden * heads * qk_head
+        kv_down = hidden * (config.kv_lora_rank + config.qk_rope_head_dim)
+        kv_up = config.kv_lora_rank * heads * (config.qk_nope_head_dim + v_head)
+        out_proj = heads * v_head * hidden
+        projections_per_layer = q_proj + kv_down + kv_up + out_proj
+        scores_per_layer = heads * (qk_head + v_head) * seq_len / 2
 
     layers = config.num_hidden_layers
     kinds = getattr(config, "mlp_layer_types", None)  # GLM-4.7-Flash / V3.2 configs: "dense" / "sparse" per layer
@@ -42,6 +44,15 @@ def forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
         "shared_experts": moe_layers * config.n_shared_experts * expert_mlp,
         "lm_head": hidden * config.vocab_size,
     }
+
+
+def _gqa_macs_per_layer(config, seq_len: int) -> tuple[float, float]:
+    """(projections, scores) per token of one GQA layer; MiniCPM5-MoE's query projection also yields its output gate,
+    as wide as the query."""
+    hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+    query = heads * head_dim * (2 if config.model_type == "minicpm5_moe" else 1)
+    projections = hidden * (query + 2 * config.num_key_value_heads * head_dim) + heads * head_dim * hidden
+    return projections, heads * 2 * head_dim * seq_len / 2
 
 
 def _deepseek_v4_forward_macs_per_token(config, seq_len: int) -> dict[str, float]:
