@@ -7,6 +7,8 @@ from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
 from liger_dspine.modules.native_fallback import native_instead
+from liger_dspine.modules.parallel_state import rowwise_shard
+from liger_dspine.modules.parallel_state import sum_partial_over
 from liger_dspine.ops.clamped_silu_mul import liger_clamped_silu_mul
 from liger_dspine.ops.first_order import first_order_boundary
 from liger_dspine.ops.swiglu_down import liger_swiglu_down
@@ -74,12 +76,16 @@ class LigerSwiGLUMLP(nn.Module):
         limit = getattr(self, "limit", None)  # a converted unclamped MLP has none
         if limit is not None:
             return self.down_proj(liger_clamped_silu_mul(gate, up, limit))
-        if not runs_plain_linear(self.down_proj):
+        in_place = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks)
+        shard = rowwise_shard(self.down_proj)
+        if shard is not None:  # tensor parallelism: this rank's columns of down_proj, its partial sum all-reduced
+            local_weight, mesh = shard
+            return sum_partial_over(liger_swiglu_down(gate, up, local_weight, in_place=in_place), mesh)
+        if not runs_plain_linear(self.down_proj) or "forward" in vars(self.down_proj):
             act = first_order_boundary(LigerSiLUMulFunction.apply(gate, up), "liger-kernel's LigerSiLUMulFunction")
             return self.down_proj(act)
         if self.down_proj.bias is not None:
             raise ValueError("liger-dspine: LigerSwiGLUMLP fuses a down_proj without bias; this one has a bias")
         # gate and up are this forward's own intermediates: the backward may write their gradients over them,
-        # unless a forward hook of gate_proj / up_proj may have kept them
-        in_place = not (self.gate_proj._forward_hooks or self.up_proj._forward_hooks)
+        # unless a forward hook of gate_proj / up_proj may have kept them (in_place above)
         return liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place)
