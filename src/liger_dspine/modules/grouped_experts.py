@@ -1,3 +1,5 @@
+import types
+
 import torch
 from torch import nn
 
@@ -6,6 +8,9 @@ from liger_dspine.modules.config_reading import expert_sizes
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
 from liger_dspine.modules.native_fallback import native_instead
+from liger_dspine.modules.parallel_state import expert_parallel_dispatch
+from liger_dspine.modules.parallel_state import local_tensor
+from liger_dspine.modules.parallel_state import rebind_expert_forward
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
 
 
@@ -27,6 +32,21 @@ _NATIVE_LAYOUT = {
     "is_transposed": False,  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
     "has_post_expert_norm": False,
 }
+
+
+def _local_routes(index: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor):
+    """Routes of this rank's experts under expert parallelism: transformers' dispatch hands local expert ids, and,
+    where every rank sees the whole batch (its all-reduce implementation), the id ``num_local_experts`` with weight 0
+    for a route to another rank's expert. Such a route is sent to expert 0 with weight 0 (it adds nothing and its
+    gradients are zero), as transformers' batched experts do; the GEMM rows it costs are the price of a fixed
+    shape."""
+    if not isinstance(gate_up_proj, torch.Tensor) or local_tensor(gate_up_proj) is not gate_up_proj:
+        raise ValueError(
+            "liger-dspine: LigerGroupedExperts under expert parallelism runs inside transformers' dispatch, on this "
+            "rank's experts; its weights are still sharded DTensors here"
+        )
+    off_rank = index >= gate_up_proj.shape[0]
+    return index.masked_fill(off_rank, 0), weights.masked_fill(off_rank, 0.0)
 
 
 class LigerGroupedExperts(nn.Module):
@@ -58,6 +78,8 @@ class LigerGroupedExperts(nn.Module):
 
     @staticmethod
     def kept_native_reason(module: nn.Module) -> str | None:
+        if expert_parallel_dispatch(module) == "opaque":
+            return "its expert-parallel dispatch keeps the native forward where this package cannot reach it"
         return unfused_activation_reason(getattr(module, "config", None), module)
 
     @classmethod
@@ -76,6 +98,7 @@ class LigerGroupedExperts(nn.Module):
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
         if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
             raise ValueError("liger-dspine: LigerGroupedExperts needs gate_up_proj and down_proj weight tensors")
+        gate_up, down = local_tensor(gate_up), local_tensor(down)  # expert parallelism: this rank's experts
         num_experts, two_intermediate, hidden = gate_up.shape
         if two_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, two_intermediate // 2):
             raise ValueError(
@@ -88,16 +111,18 @@ class LigerGroupedExperts(nn.Module):
         """Turn a transformers experts module (``DeepseekV3Experts``) into this class in place, keeping its weights;
         a ValueError, and the module unchanged, when ``check_convertible`` refuses it."""
         cls.check_convertible(module)
-        num_experts, two_intermediate, hidden = module.gate_up_proj.shape
+        num_experts, two_intermediate, hidden = local_tensor(module.gate_up_proj).shape
         module.num_experts, module.hidden_dim, module.intermediate_dim = num_experts, hidden, two_intermediate // 2
         module.__class__ = cls
+        if expert_parallel_dispatch(module) == "rebindable":  # the dispatch captured the native forward: ours now
+            rebind_expert_forward(module, types.MethodType(cls.forward, module))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if getattr(self, "_is_expert_parallel", False):
-            raise ValueError("liger-dspine: LigerGroupedExperts does not support expert parallelism")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_dim)
         index = top_k_index.reshape(-1, top_k_index.shape[-1])
         weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
+        if getattr(self, "_is_expert_parallel", False):
+            index, weights = _local_routes(index, weights, self.gate_up_proj)
         limit = getattr(self, "limit", None)  # a converted unclamped experts module has none
         return liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit).view(shape)

@@ -107,3 +107,52 @@ def sum_partial_over(output: torch.Tensor, mesh) -> torch.Tensor:
 
     partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
     return partial.redistribute(mesh, [Replicate()]).to_local()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, else the tensor itself."""
+    DTensor = _dtensor_class()
+    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
+
+def _expert_dispatchers(forward) -> list:
+    """The objects behind an expert-parallel forward installed on an experts module that call the experts' own
+    forward (transformers' ``EPImplementation``s, which keep it as ``experts_forward``), found through the installed
+    forward's closure; empty when there are none."""
+    found, seen = [], set()
+    pending = [cell.cell_contents for cell in (getattr(forward, "__closure__", None) or ()) if _filled(cell)]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen or isinstance(item, (nn.Module, torch.Tensor, str, int, float, type(None))):
+            continue
+        seen.add(id(item))
+        if callable(getattr(item, "experts_forward", None)):
+            found.append(item)
+            pending.extend(value for value in vars(item).values() if hasattr(value, "experts_forward"))
+    return found
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def expert_parallel_dispatch(module: nn.Module) -> str | None:
+    """ "none" for experts without an expert-parallel forward set on the module; "rebindable" when that forward
+    reaches the experts through dispatchers this package can point at another forward; else "opaque"."""
+    installed = vars(module).get("forward")
+    if installed is None or not getattr(module, "_is_expert_parallel", False):
+        return "none"
+    return "rebindable" if _expert_dispatchers(installed) else "opaque"
+
+
+def rebind_expert_forward(module: nn.Module, forward) -> int:
+    """Point the expert-parallel dispatch installed on ``module`` at ``forward`` (bound to the module); returns how
+    many dispatchers now call it."""
+    dispatchers = _expert_dispatchers(vars(module)["forward"])
+    for dispatcher in dispatchers:
+        dispatcher.experts_forward = forward
+    return len(dispatchers)
