@@ -11,7 +11,9 @@ Gaps of the interpreter filled here:
 - Triton 3.6 turns a scalar into a Python int (``range(0, n, BLOCK)`` over an int argument) with ``int()`` of a
   one-element array, which NumPy 2.4 refuses; it is read as a scalar, as Triton 3.9 does.
 - ``libdevice.rsqrt`` and ``libdevice.tanh`` are declarations without a body: they are mapped to ``tl`` functions.
-The interpreter treats bf16 bit patterns as integers, so only fp32 and fp16 results are right on a CPU.
+- The interpreter holds bf16 values as their 16-bit patterns and computes on those integers (NaN or wrong numbers,
+  with at most NumPy warnings): every interpreted launch, liger-kernel's and this package's, refuses a bf16 tensor
+  argument before the kernel runs. fp32 and fp16 are computed right.
 """
 
 import os
@@ -54,6 +56,7 @@ def enable_cpu_interpreter() -> None:
     _patch_float_arguments()
     _patch_scalar_index()
     _patch_libdevice()
+    _patch_bf16_refusal()
     _enabled = True
 
 
@@ -100,6 +103,44 @@ def _patch_libdevice() -> None:
             continue
         for fn_name, fn in replacements.items():
             setattr(module, fn_name, fn)
+
+
+def bf16_refusal(kernel: str, argument: str) -> str:
+    return (
+        "liger-dspine: bfloat16 tensors cannot run through Triton's CPU interpreter, which computes bfloat16 on the "
+        f"integers of its bit patterns (NaN or wrong numbers; kernel {kernel}, argument {argument}); use float32 (or "
+        "float16) on CPU, or a GPU"
+    )
+
+
+def _patch_bf16_refusal() -> None:
+    """Every interpreted launch (``kernel[grid](...)``, autotuned or not) reaches ``InterpretedFunction.run``."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpretedFunction.run
+    if getattr(original, "_liger_dspine", False):
+        return
+
+    def run(self, *args, **kwargs):
+        if not kwargs.get("warmup", False):
+            launched = {**dict(zip(self.arg_names, args)), **kwargs}
+            for name, value in launched.items():
+                if _holds_bf16(value):
+                    raise RuntimeError(bf16_refusal(self.__name__, name))
+        return original(self, *args, **kwargs)
+
+    run._liger_dspine = True
+    interpreter.InterpretedFunction.run = run
+
+
+def _holds_bf16(value) -> bool:
+    import torch
+    import triton.language as tl
+
+    if isinstance(value, (tuple, list)):
+        return any(_holds_bf16(item) for item in value)
+    # torch tensors, and Triton's reinterpreting wrappers (their dtype a Triton type)
+    return hasattr(value, "data_ptr") and getattr(value, "dtype", None) in (torch.bfloat16, tl.bfloat16)
 
 
 def _rsqrt(x):
