@@ -10,23 +10,29 @@ gradient; the outer one, on the loss handed to the caller, runs first in every l
 any gradient reaches the kernel or a ``.grad``. Passes with an upstream gradient of exactly 1 change nothing in the
 kernel and stay allowed. The note is a device flag, read on the host only when a later pass starts, so the first
 backward waits for nothing.
+
+:func:`refuse_later_passes` guards a model's outputs (the causal-LM forwards' loss and logits): a later pass is
+refused at the output's own node, before any gradient changes, when it would run a node below that cannot run again
+(``ops/second_pass.py``: the fused losses' rescaled gradients, the fused SwiGLU MLP's overwritten activations).
 """
 
 import torch
 
 from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.second_pass import ScaledOnce
+from liger_dspine.ops.second_pass import graph_refusal
 
 
 class _GuardFunction(torch.autograd.Function):
-    """Identity on a loss, keeping the guard's shared state for its backward. Eager only: under torch.compile the
-    causal-LM forwards take a fused loss whose backward needs no guard."""
+    """Identity on a loss, keeping the guard's shared state (``ctx.second_pass``, which ``graph_refusal`` reads) for
+    its backward. Eager only: under torch.compile the causal-LM forwards take a fused loss whose backward needs no
+    guard."""
 
     kernel_ops = ()  # torch ops only
 
     @staticmethod
     def forward(ctx, loss, state):
-        ctx.state = state
+        ctx.second_pass = state
         return loss.clone()
 
 
@@ -36,7 +42,7 @@ class _NoteScaledFunction(_GuardFunction):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        ctx.state.note(grad)
+        ctx.second_pass.note(grad)
         return grad, None
 
 
@@ -46,7 +52,7 @@ class _RefuseAfterScaledFunction(_GuardFunction):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        ctx.state.refuse_if_scaled()
+        ctx.second_pass.refuse_if_scaled()
         return grad, None
 
 
@@ -61,3 +67,28 @@ class SecondPassGuard:
 
     def outer(self, loss: torch.Tensor) -> torch.Tensor:
         return _RefuseAfterScaledFunction.apply(loss, self._state) if loss.requires_grad else loss
+
+
+class _LaterPasses:
+    """A node pre-hook counting the passes through its node; from the second on, it refuses one that would run a
+    node below that cannot run again. It holds no reference to the node (that would keep the graph alive)."""
+
+    def __init__(self):
+        self.passes = 0
+
+    def __call__(self, grad_outputs):
+        self.passes += 1
+        if self.passes > 1:
+            message = graph_refusal(torch._C._current_autograd_node())
+            if message:
+                raise RuntimeError(message)
+
+
+def refuse_later_passes(output: torch.Tensor | None) -> torch.Tensor | None:
+    """``output`` (a model's loss or logits) as is; a later backward pass through its graph that would run a node
+    that cannot run again is refused when it reaches ``output``'s node, before any gradient changes."""
+    # compiled: the losses' Op Functions and the MLP's copies can run again (and grad_fn would break the graph)
+    if torch.compiler.is_compiling() or output is None or output.grad_fn is None:
+        return output
+    output.grad_fn.register_prehook(_LaterPasses())
+    return output

@@ -41,6 +41,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.backward_guard import SecondPassGuard
+from liger_dspine.modules.backward_guard import refuse_later_passes
 from liger_dspine.modules.head_checks import unfused_head_reason
 from liger_dspine.modules.label_checks import IGNORE_INDEX
 from liger_dspine.modules.label_checks import checked_labels
@@ -225,6 +226,8 @@ def _causal_lm_forward(
             else:
                 loss = _liger_ce(logits, targets, divisor, ignore_index)
 
+    # a later backward pass that a kernel below cannot take is refused here, before any gradient changes
+    loss, logits = refuse_later_passes(loss), refuse_later_passes(logits)
     output = output_class(loss=loss, logits=logits, token_accuracy=token_accuracy)
     for f in fields(output):
         if f.name not in ("loss", "logits", "token_accuracy") and f.name in outputs:

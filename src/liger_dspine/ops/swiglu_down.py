@@ -25,8 +25,14 @@ from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.liger_kernel_ops import silu_mul
 from liger_dspine.ops.liger_kernel_ops import silu_mul_backward_
+from liger_dspine.ops.second_pass import RunsOnce
 
 _WHAT = "SwiGLU down projection"
+_RUNS_ONCE = (
+    "liger-dspine: the fused SwiGLU MLP (LigerSwiGLUMLP) can run its backward only once: its first backward wrote "
+    "the gradients of gate and up over the saved activations, to save memory. For backward(retain_graph=True) twice "
+    "or autograd.grad(..., retain_graph=True) then backward(), run the forward again, or patch with swiglu=False."
+)
 
 
 def _overwritable(x: torch.Tensor) -> bool:
@@ -62,7 +68,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
             shares_storage = torch._C._is_alias_of(gate_saved, up_saved)  # no data pointer: fake tensors have none
             ctx.overwrite_gate = in_place and (gate_saved is not gate or _overwritable(gate))
             ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
-        ctx.overwritten = False
+        ctx.second_pass = RunsOnce(_RUNS_ONCE)  # spent once the backward overwrote gate and up
         ctx.compute_dtype = dtype
         ctx.save_for_backward(gate_saved, up_saved, down_weight)
         return out
@@ -70,13 +76,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad_out):
-        if ctx.overwritten:
-            raise RuntimeError(
-                "liger-dspine: the fused SwiGLU MLP (LigerSwiGLUMLP) can run its backward only once: its first "
-                "backward wrote the gradients of gate and up over the saved activations, to save memory. For "
-                "backward(retain_graph=True) twice or autograd.grad(..., retain_graph=True) then backward(), run the "
-                "forward again, or patch with swiglu=False."
-            )
+        ctx.second_pass.refuse()
         gate, up, down_weight = ctx.saved_tensors
         gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
         width, hidden = gate.shape[-1], down_weight.shape[0]
@@ -96,7 +96,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
                 grad_gate_rows = gate_rows if ctx.overwrite_gate else gate_rows.clone()
                 grad_up_rows = up_rows if ctx.overwrite_up else up_rows.clone()
                 if ctx.overwrite_gate or ctx.overwrite_up:
-                    ctx.overwritten = True
+                    ctx.second_pass.spend()
                 silu_mul_backward_(grad_gate_rows, grad_up_rows, grad_product)
                 del grad_product
                 grad_gate = grad_gate_rows.view(gate.shape) if gate_needs_grad else None
