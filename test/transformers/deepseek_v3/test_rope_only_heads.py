@@ -1,5 +1,6 @@
 """DeepSeek-V3 with ``qk_nope_head_dim=0``: every key and query column is rotary. transformers runs it; the patched
-model gives the native logits, loss and gradients (fp32, tolerance 1e-5: rounding of differently ordered kernels).
+model gives the native logits, loss and gradients (fp32, tolerance 1e-5: rounding of differently ordered kernels),
+with eager or sdpa attention, and with sdpa one head at a time (the head-grouped attention, its budget cut to 1 byte).
 """
 
 import copy
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
+from liger_dspine.models.deepseek_v3 import head_groups
 from liger_dspine.models.deepseek_v3.attention import LigerDeepseekV3Attention
 from liger_dspine.ops.interleaved_rope import liger_mla_key
 from tiny_models import assert_grads_close
@@ -19,8 +21,19 @@ from tiny_models import tiny_deepseek_v3_config
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_patched_model_matches_native_without_a_non_rotary_part(attn_implementation):
+@pytest.mark.parametrize(
+    "attn_implementation, head_grouped",
+    [("eager", False), ("sdpa", False), ("sdpa", True)],
+    ids=["eager", "sdpa", "grouped"],
+)
+def test_patched_model_matches_native_without_a_non_rotary_part(monkeypatch, attn_implementation, head_grouped):
+    grouped_calls = []
+    if head_grouped:
+        monkeypatch.setattr(head_groups, "KEPT_GROUP_BYTES", 1)
+        grouped = LigerDeepseekV3Attention._liger_head_grouped
+        monkeypatch.setattr(
+            LigerDeepseekV3Attention, "_liger_head_grouped", lambda *a: grouped_calls.append(a[-1]) or grouped(*a)
+        )
     config = tiny_deepseek_v3_config(qk_nope_head_dim=0, attn_implementation=attn_implementation)
     native = build_model(config).train()
     patched = copy.deepcopy(native)
@@ -32,6 +45,7 @@ def test_patched_model_matches_native_without_a_non_rotary_part(attn_implementat
     actual, actual_grads = loss_and_grads(patched, input_ids, labels=labels)
     torch.testing.assert_close(actual.loss, expected.loss, **FP32)
     assert_grads_close(actual_grads, expected_grads, **FP32)
+    assert grouped_calls == ([1] * config.num_hidden_layers if head_grouped else [])  # one head per group
 
     native.eval(), patched.eval()
     with torch.no_grad():
