@@ -1,5 +1,6 @@
 """Ergo's own pieces (tiny model of tiny_family.py, fp32 on CPU): the loss on Liger's cross entropy against native,
-the norm's fp32 weight, the router's weights rounded as natively, and the options it refuses by name."""
+greedy generation, the norm's fp32 weight, the router's weights rounded as natively, and the options it refuses by
+name."""
 
 import copy
 import sys
@@ -101,3 +102,13 @@ def test_router_rounds_its_weights_to_the_input_dtype_as_native():
     torch.testing.assert_close(
         weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices), rtol=2**-8, atol=0
     )
+
+
+def test_greedy_generation_with_the_cache_matches_native():
+    """The cache of its sliding and full-attention layers goes through the patched forward as through the native."""
+    native = CASE.build().eval()
+    patched = copy.deepcopy(native)
+    CASE.apply_fn()(model=patched, cross_entropy=True)
+    input_ids = torch.randint(0, CASE.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    expected = native.generate(input_ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(patched.generate(input_ids, max_new_tokens=5, do_sample=False), expected)
