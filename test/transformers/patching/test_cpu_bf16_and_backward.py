@@ -39,7 +39,7 @@ def patched_model(dtype=torch.float32):
 def test_a_bf16_model_is_refused_instead_of_a_nan_loss():
     model, config = patched_model(torch.bfloat16)
     input_ids, labels = random_batch(config)
-    with pytest.raises(RuntimeError, match=BF16_REFUSED.format(kernel="_rms_norm_forward_kernel")) as error:
+    with pytest.raises(RuntimeError, match=BF16_REFUSED.format(kernel=r"\w+")) as error:  # the first kernel run
         model(input_ids, labels=labels)
     assert str(error.value).endswith(BF16_ADVICE) and "\n" not in str(error.value)
 
