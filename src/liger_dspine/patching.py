@@ -42,6 +42,9 @@ from typing import Callable
 
 import torch.nn as nn
 
+from liger_dspine.modules.parallel_state import rewrapped_class
+from liger_dspine.modules.parallel_state import unwrapped_class
+
 logger = logging.getLogger(__name__)
 
 
@@ -608,7 +611,7 @@ def _check_undoable(spec: PatchSpec, options: dict[str, bool], model: nn.Module)
     class-level patch): it has no native class to return to."""
     for swap, old, new in _class_swaps_turned_back(spec, options):
         for path, module in model.named_modules():
-            if type(module) is new and _CONVERTED_FROM not in module.__dict__:
+            if unwrapped_class(type(module)) is new and _CONVERTED_FROM not in module.__dict__:
                 raise ValueError(
                     f"liger-dspine: {path or type(model).__name__} was built as {new.__name__} (under a class-level "
                     f"patch), so it cannot be turned back into {old.__name__} with {swap.option}=False; revert the "
@@ -652,10 +655,11 @@ def _undo_instance_swap(spec: PatchSpec, swap, model: nn.Module, report: PatchRe
         for module in model.modules():
             # _check_undoable found the native class on every such module; another swap with the same replacement
             # (two native norm classes) turns back its own
-            if type(module) is not new or module.__dict__.get(_CONVERTED_FROM) is not old:
+            native = module.__dict__.get(_CONVERTED_FROM)
+            if unwrapped_class(type(module)) is not new or native is None or unwrapped_class(native) is not old:
                 continue
             del module.__dict__[_CONVERTED_FROM]
-            module.__class__ = old
+            module.__class__ = native  # FSDP<Native> for a module FSDP2 had wrapped
             restored += 1
         _record_restored(report, f"{new.__name__} modules", new, old, restored)
         return
@@ -736,9 +740,11 @@ _CONVERTED_FROM = "_liger_dspine_native_class"  # instance attribute: the native
 
 def _convert(module: nn.Module, new: type) -> None:
     """Turn a native module into ``new`` in place: its ``convert`` sets any state it adds; a subclass of the
-    native class that adds none only needs its class switched. The native class is noted for an undo."""
+    native class that adds none only needs its class switched. The native class is noted for an undo. A module
+    that FSDP2 has wrapped (``FSDP<Native>``) keeps its wrapper: it becomes ``FSDP<new>``."""
     native = type(module)
     _convert_class(module, new)
+    module.__class__ = rewrapped_class(native, type(module))
     module.__dict__[_CONVERTED_FROM] = native
 
 
@@ -746,7 +752,7 @@ def _convert_class(module: nn.Module, new: type) -> None:
     convert = getattr(new, "convert", None)
     if convert is not None:
         convert(module)
-    elif issubclass(new, type(module)):
+    elif issubclass(new, unwrapped_class(type(module))):
         module.__class__ = new
     else:
         raise TypeError(f"liger-dspine: {new.__name__} cannot convert a {type(module).__name__} in place")

@@ -182,7 +182,7 @@ def _causal_lm_forward(
             labels, labels_checked = checked_labels(labels, vocab, ignore_index, shifted=False)
         else:
             shift_labels, labels_checked = checked_labels(shift_labels, vocab, ignore_index)
-    skip_logits = _fused_choice(self, fused, skip_logits, has_labels)
+    asked_fused, skip_logits = skip_logits is True, _fused_choice(self, fused, skip_logits, has_labels)
 
     outputs = self.model(
         input_ids=input_ids,
@@ -193,6 +193,8 @@ def _causal_lm_forward(
         **kwargs,
     )
     hidden_states = outputs.last_hidden_state
+    if skip_logits:  # FSDP2 gathers a head grouped with the final norm when the norm runs: read it now
+        skip_logits = _head_readable(self, asked_fused)
     if head_input is not None:
         hidden_states = head_input(self, hidden_states)
     hidden_states = _keep_positions(hidden_states, logits_to_keep)
@@ -241,10 +243,19 @@ def _fused_choice(model, fused: bool, skip_logits, has_labels: bool) -> bool:
     wanted = (fused and model.training and has_labels) if skip_logits is None else skip_logits
     if not wanted:
         return False
-    reason = sharded_head_reason(model.lm_head) or unfused_head_reason(model.lm_head)
+    return _fused_or_warn(unfused_head_reason(model.lm_head), skip_logits is True)
+
+
+def _head_readable(model, asked_fused: bool) -> bool:
+    """Whether the fused loss can read ``lm_head.weight`` as it stands after the model's body ran: whole, or
+    vocabulary-parallel (``parallel_state.py``)."""
+    return _fused_or_warn(sharded_head_reason(model.lm_head), asked_fused)
+
+
+def _fused_or_warn(reason: str | None, asked_fused: bool) -> bool:
     if reason is None:
         return True
-    if skip_logits:
+    if asked_fused:
         raise ValueError(
             f"liger-dspine: skip_logits=True, but {reason}: the fused linear cross entropy reads lm_head.weight "
             "without calling lm_head, so it would leave that out"
@@ -252,7 +263,7 @@ def _fused_choice(model, fused: bool, skip_logits, has_labels: bool) -> bool:
     warnings.warn(
         f"liger-dspine: {reason}; the fused linear cross entropy reads lm_head.weight without calling lm_head, so "
         "the loss is computed from the head's logits instead",
-        stacklevel=4,
+        stacklevel=5,
     )
     return False
 

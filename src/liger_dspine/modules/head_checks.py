@@ -3,6 +3,7 @@ so the head must compute ``hidden @ weight.T`` and nothing else, with a weight t
 
 from torch import nn
 
+from liger_dspine.modules.parallel_state import parameter_hooks_only
 from liger_dspine.modules.parallel_state import tensor_parallel_head
 
 
@@ -15,7 +16,7 @@ def unfused_head_reason(head: nn.Module) -> str | None:
         return f"lm_head is a {type(head).__module__}.{type(head).__qualname__}, not a plain torch.nn.Linear"
     if getattr(head, "bias", None) is not None:
         return "lm_head has a bias"
-    if head._forward_hooks or head._forward_pre_hooks:
+    if (head._forward_hooks or head._forward_pre_hooks) and not parameter_hooks_only(head):
         return "lm_head has forward hooks"
     if "forward" in vars(head) and not hasattr(head, "_hf_hook") and not tensor_parallel_head(head):
         # accelerate's hook only moves the inputs; tensor parallelism's forward only moves its input and output

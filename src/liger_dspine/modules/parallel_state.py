@@ -156,3 +156,62 @@ def rebind_expert_forward(module: nn.Module, forward) -> int:
     for dispatcher in dispatchers:
         dispatcher.experts_forward = forward
     return len(dispatchers)
+
+
+# Packages whose module hooks only gather, partition or move parameters and inputs around a module's own forward.
+_PARAMETER_HOOK_PACKAGES = ("torch.distributed.fsdp.", "torch.distributed._composable.fsdp.")
+
+
+def _hook_package(hook) -> str:
+    target = getattr(hook, "func", hook)  # functools.partial
+    owner = getattr(target, "__self__", None)
+    return getattr(owner, "__module__", None) or getattr(target, "__module__", None) or ""
+
+
+def parameter_hooks_only(module: nn.Module) -> bool:
+    """Whether every forward hook of ``module`` belongs to a sharding engine that only gathers its parameters (FSDP2),
+    so reading the gathered weight computes what calling the module would."""
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    return all(_hook_package(hook).startswith(_PARAMETER_HOOK_PACKAGES) for hook in hooks)
+
+
+def _wrapper_mixins() -> tuple[type, ...]:
+    """The classes that FSDP2 (``fully_shard``) and ``replicate`` put first in a module's class when they wrap it."""
+    mixins = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        mixins.append(FSDPModule)
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+        mixins.append(ReplicateModule)
+    except ImportError:
+        pass
+    return tuple(mixins)
+
+
+def unwrapped_class(cls: type) -> type:
+    """The module class under a ``FSDP<Class>`` wrapper class (itself when it is none)."""
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0] in _wrapper_mixins():
+        return bases[1]
+    return cls
+
+
+def rewrapped_class(wrapper: type, inner: type) -> type:
+    """``inner`` under the same wrapper as the class ``wrapper`` (``FSDPLigerX`` for ``FSDPNativeX``), made once per
+    pair as the wrapper makes its own; ``inner`` itself when ``wrapper`` wraps nothing."""
+    if unwrapped_class(wrapper) is wrapper:
+        return inner
+    mixin, prefix = wrapper.__bases__[0], wrapper.__name__[: -len(wrapper.__bases__[1].__name__)]
+    made = _REWRAPPED.get((mixin, inner))
+    if made is None:
+        extra = {name: value for name, value in vars(wrapper).items() if name == "__deepcopy__"}
+        made = _REWRAPPED[(mixin, inner)] = type(f"{prefix}{inner.__name__}", (mixin, inner), extra)
+    return made
+
+
+_REWRAPPED: dict[tuple[type, type], type] = {}

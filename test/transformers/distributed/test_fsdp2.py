@@ -1,0 +1,124 @@
+"""The default patch under FSDP2 on two gloo ranks, against one unpatched process on the whole batch.
+
+- transformers' own plan (``DistributedConfig(fsdp_size=2)``): it shards the final norm and ``lm_head`` as one group,
+  which the norm's forward gathers, so the fused loss runs on the gathered head (no logits); at class level and as an
+  instance patch of the sharded model;
+- ``fully_shard`` applied by hand to every MLP and decoder layer, then the instance patch: the converted modules keep
+  their FSDP2 class (``FSDPLigerSwiGLUMLP``), and the revert gives back ``FSDPDeepseekV3MLP``.
+
+Each rank takes half of the batch with the same number of targets, so the mean of the rank losses and the mean of
+their gradients (what FSDP2 reduces) equal the whole batch's. fp32; 1e-5 covers the reordered reductions.
+"""
+
+import pytest
+import torch
+
+from spawned_ranks import run_on_gloo_ranks
+from tiny_models import build_model
+from tiny_models import labels_with_ignored
+from tiny_models import random_batch
+from tiny_models import tiny_deepseek_v3_config
+
+pytest.importorskip("transformers.distributed.fsdp", reason="transformers' FSDP2 plan")
+FP32 = dict(atol=1e-5, rtol=1e-5)
+BATCH = 4
+
+
+def _batch(config):
+    input_ids, _ = random_batch(config, batch=BATCH, seq=6, seed=5)
+    return input_ids, labels_with_ignored(input_ids)
+
+
+def _step(model, rank, world_size):
+    import torch.distributed as dist
+
+    input_ids, labels = _batch(model.config)
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    out = model(input_ids[rows], labels=labels[rows])
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    return {"loss": loss / world_size, "logits": out.logits is not None, "grads": grads}
+
+
+def _plan(path, order, rank, world_size):
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import liger_dspine
+
+    if order == "class":
+        liger_dspine.apply_liger_kernel_to_deepseek_v3()
+    try:
+        layout = DistributedConfig(fsdp_size=world_size)
+        model = DeepseekV3ForCausalLM.from_pretrained(path, distributed_config=layout, dtype=torch.float32).train()
+        if order == "instance":
+            liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model)
+        return _step(model, rank, world_size)
+    finally:
+        liger_dspine.revert_liger_kernel_to_deepseek_v3()
+
+
+def _by_hand(path, rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard
+    from transformers import DeepseekV3ForCausalLM
+
+    import liger_dspine
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer.mlp, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model)
+    mlp = model.model.layers[0].mlp
+    result = _step(model, rank, world_size)
+    result["mlp_class"] = (type(mlp).__name__, isinstance(mlp, FSDPModule))
+    liger_dspine.revert_liger_kernel_to_deepseek_v3(model=model)
+    result["reverted_mlp_class"] = (type(mlp).__name__, isinstance(mlp, FSDPModule))
+    return result
+
+
+def _rank(rank, world_size, path):
+    results = {order: _plan(path, order, rank, world_size) for order in ("class", "instance")}
+    results["by_hand"] = _by_hand(path, rank, world_size)
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_v3")
+    config = tiny_deepseek_v3_config()
+    model = build_model(config)
+    model.save_pretrained(path)
+    input_ids, labels = _batch(config)
+    out = model.train()(input_ids, labels=labels)
+    out.loss.backward()
+    return str(path), out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, saved_model):
+    return run_on_gloo_ranks(tmp_path_factory.mktemp("fsdp2"), 2, _rank, saved_model[0])
+
+
+@pytest.mark.parametrize("scenario", ["class", "instance", "by_hand"])
+def test_default_patch_under_fsdp2_matches_one_process(ranks, saved_model, scenario):
+    _, loss, grads = saved_model
+    result = ranks[scenario]
+    assert result["logits"] is False  # the fused loss ran on the gathered head
+    torch.testing.assert_close(result["loss"], loss, **FP32)
+    assert result["grads"].keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(result["grads"][name], grad, **FP32, msg=name)
+
+
+def test_instance_patch_keeps_the_fsdp2_class(ranks):
+    assert ranks["by_hand"]["mlp_class"] == ("FSDPLigerSwiGLUMLP", True)
+    assert ranks["by_hand"]["reverted_mlp_class"] == ("FSDPDeepseekV3MLP", True)
