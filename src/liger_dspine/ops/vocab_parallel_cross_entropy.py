@@ -54,6 +54,8 @@ class LigerVocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     """``(hidden [T, H], weight_r [Vr, H], targets [T], vocab_start, group, ignore_index, reduction, token_chunk)``
     -> loss (0-d fp32), identical on every rank of ``group``."""
 
+    kernel_ops = ()  # torch GEMMs and collectives only
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, group, ignore_index, reduction, token_chunk):
         local_vocab = weight.shape[0]
