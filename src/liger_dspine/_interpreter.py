@@ -1,9 +1,11 @@
 """Running Triton kernels on a CPU through Triton's interpreter (tests and the CPU demo only).
 
-Enable it with ``LIGER_DSPINE_INTERPRET=1`` in the environment before ``liger_dspine`` is imported, or by calling
-:func:`enable_cpu_interpreter` before any Triton kernel module (liger-kernel's or this package's) is imported.
-Kernels are decorated when their module is imported, and only kernels decorated while ``TRITON_INTERPRET=1`` is set
-run through the interpreter.
+Enable it with ``LIGER_DSPINE_INTERPRET=1`` in the environment (read when ``liger_dspine`` is imported), or by
+calling :func:`enable_cpu_interpreter`, in either case before the first patch is applied. Triton decorates a kernel
+when its module is imported, and only kernels decorated while ``TRITON_INTERPRET=1`` is set run through the
+interpreter: kernels already decorated for the compiler (``triton.language``'s helpers, which transformers imports
+through ``torch._dynamo``, and liger-kernel's or this package's kernel modules imported before) are turned into
+interpreted ones in place, so the import order does not matter.
 
 Gaps of the interpreter filled here:
 - Python float kernel arguments arrive as plain floats, so ``eps.to(tl.float32)`` fails: they are wrapped as fp32
@@ -40,24 +42,60 @@ def enable_cpu_interpreter() -> None:
     global _enabled
     if _enabled:
         return
-    compiled = [name for name in sys.modules if name.startswith(_KERNEL_MODULE_PREFIXES)]
-    # triton.language decorates its own helper functions (tl.sigmoid, ...) at import: they must be interpreted too
-    if "triton.language" in sys.modules:
-        compiled.append("triton.language")
-    if compiled and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "liger-dspine: the CPU interpreter must be enabled before Triton kernel modules are imported; "
-            f"already imported: {', '.join(sorted(compiled)[:5])}. Set {ENV_FLAG}=1 before starting Python, and "
-            "import liger_dspine before transformers or liger-kernel (they import Triton's compiler)."
-        )
     os.environ["TRITON_INTERPRET"] = "1"
     # The fused-MoE autotuner needs a GPU driver.
     os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
     _patch_float_arguments()
     _patch_scalar_index()
-    _patch_libdevice()
+    replaced = _patch_libdevice()
+    _interpret_decorated_kernels(replaced)
     _patch_bf16_refusal()
     _enabled = True
+
+
+def _interpret_decorated_kernels(replaced: dict) -> None:
+    """Turn the kernels decorated for Triton's compiler before the switch into interpreted ones, in place.
+
+    Kernels are module attributes (``tl.sigmoid``, ``_rms_norm_forward_kernel``), possibly wrapped by ``autotune`` /
+    ``heuristics``; a kernel module that imported another's kernel holds the same object, so one mapping from each
+    compiled kernel to its interpreted twin is applied to every attribute of the modules concerned. ``replaced`` maps
+    the libdevice declarations (by id) to their stand-ins, for kernel modules that imported them by name.
+    """
+    if "triton" not in sys.modules:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import KernelInterface
+
+    prefixes = ("triton.language",) + _KERNEL_MODULE_PREFIXES
+    modules = [module for name, module in list(sys.modules.items()) if name.startswith(prefixes) and module]
+    twins: dict[int, InterpretedFunction] = {}
+
+    def interpreted(value):
+        if id(value) in replaced:
+            return replaced[id(value)]
+        if type(value) is JITFunction or (isinstance(value, JITFunction) and hasattr(value, "fn")):
+            if id(value) not in twins:
+                twins[id(value)] = InterpretedFunction(value.fn)
+            return twins[id(value)]
+        return None
+
+    for module in modules:
+        if getattr(module, "_INTERPRETED", None) is False:  # a kernel module's record of how its kernels were decorated
+            module._INTERPRETED = True
+        for name, value in list(vars(module).items()):
+            twin = interpreted(value)
+            if twin is not None:
+                setattr(module, name, twin)
+            elif isinstance(value, KernelInterface) and not isinstance(value, InterpretedFunction):
+                # autotune / heuristics wrappers: their innermost fn is the decorated kernel
+                wrapper = value
+                while isinstance(getattr(wrapper, "fn", None), KernelInterface):
+                    inner = interpreted(wrapper.fn)
+                    if inner is not None:
+                        wrapper.fn = inner
+                        break
+                    wrapper = wrapper.fn
 
 
 def _patch_float_arguments() -> None:
@@ -94,15 +132,21 @@ def _patch_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-def _patch_libdevice() -> None:
+def _patch_libdevice() -> dict:
+    """Map libdevice's body-less ``rsqrt`` and ``tanh`` to ``tl`` functions; returns {id(declaration): stand-in}."""
     replacements = {"rsqrt": _rsqrt, "tanh": _tanh}
+    replaced = {}
     for name in ("triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice"):
         try:
             module = __import__(name, fromlist=["_"])
         except ImportError:
             continue
         for fn_name, fn in replacements.items():
+            original = getattr(module, fn_name, None)
+            if original is not None and original is not fn:
+                replaced[id(original)] = fn
             setattr(module, fn_name, fn)
+    return replaced
 
 
 def bf16_refusal(kernel: str, argument: str) -> str:
