@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from liger_dspine.modules.parallel_state import full_shape
 from liger_dspine.modules.parallel_state import rewrapped_class
 from liger_dspine.modules.parallel_state import unwrapped_class
 
@@ -725,7 +726,7 @@ def check_modules(spec: PatchSpec, model: nn.Module) -> None:
             for attribute, expected_shape in check.shapes:
                 expected = tuple(expected_shape(config))
                 tensor = getattr(submodule, attribute, None)
-                found = None if tensor is None else tuple(tensor.shape)
+                found = None if tensor is None else full_shape(tensor)
                 if found != expected:
                     problems.append(f"{where}.{attribute} has shape {found}; the config implies {expected}")
     if problems:

@@ -45,6 +45,8 @@ from liger_dspine.modules.backward_guard import refuse_later_passes
 from liger_dspine.modules.head_checks import unfused_head_reason
 from liger_dspine.modules.label_checks import IGNORE_INDEX
 from liger_dspine.modules.label_checks import checked_labels
+from liger_dspine.modules.parallel_state import call_through_hooks
+from liger_dspine.modules.parallel_state import gathered_by_hooks
 from liger_dspine.modules.parallel_state import sharded_head_reason
 from liger_dspine.modules.parallel_state import vocab_shard
 
@@ -205,14 +207,19 @@ def _causal_lm_forward(
         targets = _shifted_targets(labels, shift_labels, hidden_states, ignore_index)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"), ignore_index)
     if skip_logits:
-        shard = vocab_shard(self.lm_head.weight)
+        shard = None if gathered_by_hooks(self.lm_head) else vocab_shard(self.lm_head.weight)
         if shard is not None:  # tensor parallelism's vocabulary-sharded head
             loss = _vocab_parallel_linear_ce(hidden_states, shard, targets, divisor, ignore_index)
         else:
             fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
-            loss, token_accuracy = fused_loss(
-                hidden_states, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index
-            )
+
+            def head_loss(hidden):  # reads the weight while the head's sharding hooks (if any) hold it gathered
+                return fused_loss(hidden, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index)
+
+            if gathered_by_hooks(self.lm_head):
+                loss, token_accuracy = call_through_hooks(self.lm_head, head_loss, hidden_states)
+            else:
+                loss, token_accuracy = head_loss(hidden_states)
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:

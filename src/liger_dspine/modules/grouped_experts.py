@@ -9,6 +9,7 @@ from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
 from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.modules.parallel_state import expert_parallel_dispatch
+from liger_dspine.modules.parallel_state import full_shape
 from liger_dspine.modules.parallel_state import local_tensor
 from liger_dspine.modules.parallel_state import rebind_expert_forward
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
@@ -98,12 +99,13 @@ class LigerGroupedExperts(nn.Module):
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
         if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
             raise ValueError("liger-dspine: LigerGroupedExperts needs gate_up_proj and down_proj weight tensors")
-        gate_up, down = local_tensor(gate_up), local_tensor(down)  # expert parallelism: this rank's experts
-        num_experts, two_intermediate, hidden = gate_up.shape
-        if two_intermediate % 2 or tuple(down.shape) != (num_experts, hidden, two_intermediate // 2):
+        # expert parallelism: this rank's experts; DeepSpeed ZeRO-3: the whole shapes of the partitions
+        gate_up_shape, down_shape = full_shape(local_tensor(gate_up)), full_shape(local_tensor(down))
+        num_experts, two_intermediate, hidden = gate_up_shape
+        if two_intermediate % 2 or down_shape != (num_experts, hidden, two_intermediate // 2):
             raise ValueError(
                 f"liger-dspine: LigerGroupedExperts needs gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got "
-                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+                f"{gate_up_shape} and {down_shape}"
             )
 
     @classmethod
@@ -111,7 +113,7 @@ class LigerGroupedExperts(nn.Module):
         """Turn a transformers experts module (``DeepseekV3Experts``) into this class in place, keeping its weights;
         a ValueError, and the module unchanged, when ``check_convertible`` refuses it."""
         cls.check_convertible(module)
-        num_experts, two_intermediate, hidden = local_tensor(module.gate_up_proj).shape
+        num_experts, two_intermediate, hidden = full_shape(local_tensor(module.gate_up_proj))
         module.num_experts, module.hidden_dim, module.intermediate_dim = num_experts, hidden, two_intermediate // 2
         module.__class__ = cls
         if expert_parallel_dispatch(module) == "rebindable":  # the dispatch captured the native forward: ours now

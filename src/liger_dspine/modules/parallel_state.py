@@ -62,15 +62,12 @@ def vocab_shard(weight: torch.Tensor) -> VocabShard | None:
 
 
 def sharded_head_reason(head: nn.Module) -> str | None:
-    """Why the fused loss cannot read ``head.weight`` as it stands inside the forward, or None (whole, or
-    vocabulary-parallel under tensor parallelism)."""
+    """Why the fused loss cannot read ``head.weight`` as it stands inside the forward, or None: whole, gathered by
+    the head's own sharding hooks around a call (FSDP2's ``fully_shard(model.lm_head)``, DeepSpeed ZeRO-3), or
+    vocabulary-parallel under tensor parallelism."""
     DTensor = _dtensor_class()
     weight = head.weight
-    if DTensor is None or not isinstance(weight, DTensor):
-        return None
-    if _is_fsdp_module(head):
-        return "lm_head is sharded by FSDP on its own (fully_shard(model.lm_head)), so its weight is not gathered"
-    if vocab_shard(weight) is not None:
+    if DTensor is None or not isinstance(weight, DTensor) or gathered_by_hooks(head) or tensor_parallel_head(head):
         return None
     return (
         f"lm_head.weight is a DTensor with placements {tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh"
@@ -158,8 +155,14 @@ def rebind_expert_forward(module: nn.Module, forward) -> int:
     return len(dispatchers)
 
 
-# Packages whose module hooks only gather, partition or move parameters and inputs around a module's own forward.
-_PARAMETER_HOOK_PACKAGES = ("torch.distributed.fsdp.", "torch.distributed._composable.fsdp.")
+# Packages whose module hooks only gather, partition or move parameters and inputs around a module's own forward:
+# FSDP2, DeepSpeed ZeRO-3 (its hooks, some wrapped in its NVTX ranges).
+_PARAMETER_HOOK_PACKAGES = (
+    "torch.distributed.fsdp.",
+    "torch.distributed._composable.fsdp.",
+    "deepspeed.runtime.zero.",
+    "deepspeed.utils.nvtx",
+)
 
 
 def _hook_package(hook) -> str:
@@ -169,10 +172,36 @@ def _hook_package(hook) -> str:
 
 
 def parameter_hooks_only(module: nn.Module) -> bool:
-    """Whether every forward hook of ``module`` belongs to a sharding engine that only gathers its parameters (FSDP2),
-    so reading the gathered weight computes what calling the module would."""
+    """Whether every forward hook of ``module`` belongs to a sharding engine that only gathers its parameters (FSDP2,
+    DeepSpeed ZeRO-3), so reading the gathered weight computes what calling the module would."""
     hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
     return all(_hook_package(hook).startswith(_PARAMETER_HOOK_PACKAGES) for hook in hooks)
+
+
+def gathered_by_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward hooks, all of a sharding engine's, that gather its weight around a call."""
+    return bool(module._forward_pre_hooks or module._forward_hooks) and parameter_hooks_only(module)
+
+
+def call_through_hooks(module: nn.Module, function, *args):
+    """``function(*args)`` run as ``module``'s forward for one call, inside the module's own hooks: a sharding engine
+    (FSDP2, DeepSpeed ZeRO-3) gathers the module's parameters before it, releases them after, and gathers them again
+    for, and reduces their gradients after, the backward of what it returns. ``function`` reads the parameters from
+    the module while it runs."""
+    own = vars(module).get("forward")
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's whole shape: DeepSpeed ZeRO-3 keeps it as ``ds_shape`` while the local tensor is a partition."""
+    return tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
 
 
 def _wrapper_mixins() -> tuple[type, ...]:

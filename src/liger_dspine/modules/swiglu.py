@@ -7,6 +7,8 @@ from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
 from liger_dspine.modules.native_fallback import native_instead
+from liger_dspine.modules.parallel_state import call_through_hooks
+from liger_dspine.modules.parallel_state import gathered_by_hooks
 from liger_dspine.modules.parallel_state import rowwise_shard
 from liger_dspine.modules.parallel_state import sum_partial_over
 from liger_dspine.ops.clamped_silu_mul import liger_clamped_silu_mul
@@ -81,6 +83,8 @@ class LigerSwiGLUMLP(nn.Module):
         if shard is not None:  # tensor parallelism: this rank's columns of down_proj, its partial sum all-reduced
             local_weight, mesh = shard
             return sum_partial_over(liger_swiglu_down(gate, up, local_weight, in_place=in_place), mesh)
+        if gathered_by_hooks(self.down_proj):  # FSDP2 / ZeRO-3 gather down_proj's weight around its own call
+            return call_through_hooks(self.down_proj, self._fused_down(in_place), gate, up)
         if not runs_plain_linear(self.down_proj) or "forward" in vars(self.down_proj):
             act = first_order_boundary(LigerSiLUMulFunction.apply(gate, up), "liger-kernel's LigerSiLUMulFunction")
             return self.down_proj(act)
@@ -88,4 +92,7 @@ class LigerSwiGLUMLP(nn.Module):
             raise ValueError("liger-dspine: LigerSwiGLUMLP fuses a down_proj without bias; this one has a bias")
         # gate and up are this forward's own intermediates: the backward may write their gradients over them,
         # unless a forward hook of gate_proj / up_proj may have kept them (in_place above)
-        return liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place)
+        return self._fused_down(in_place)(gate, up)
+
+    def _fused_down(self, in_place: bool):
+        return lambda gate, up: liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place)

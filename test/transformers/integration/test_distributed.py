@@ -105,8 +105,8 @@ def _ddp_and_fsdp2(mesh) -> dict:
     sharded = _is_sharded(model.lm_head.weight)
     report["fsdp2"] = {**_run(model, input_ids, labels), "grads": _full_grads(model), "head_sharded": sharded}
 
-    # lm_head sharded on its own: never gathered for the fused loss, so the loss comes from the head's logits,
-    # with a warning that says so
+    # lm_head sharded on its own: the fused loss runs inside lm_head's own FSDP2 hooks, which gather the weight for
+    # it and reduce its gradient, without a warning
     _scenario("fsdp2_own_head")
     model, input_ids, labels = patched_model_and_batch()
     _fsdp2(model, mesh, shard_lm_head=True)
@@ -115,13 +115,7 @@ def _ddp_and_fsdp2(mesh) -> dict:
         warnings.simplefilter("always")
         result = _run(model, input_ids, labels)
     report["fsdp2_own_head_warnings"] = [str(w.message) for w in caught if "liger-dspine" in str(w.message)]
-    report["fsdp2_own_head_logits"] = {**result, "grads": _full_grads(model), "head_sharded": sharded}
-    model.zero_grad(set_to_none=True)
-    try:
-        _run(model, input_ids, labels, skip_logits=True)
-        report["fsdp2_own_head_error"] = None
-    except ValueError as error:
-        report["fsdp2_own_head_error"] = str(error)
+    report["fsdp2_own_head"] = {**result, "grads": _full_grads(model), "head_sharded": sharded}
     return report
 
 
@@ -240,9 +234,9 @@ def _assert_matches_single_process(result, single_process, logits_skipped=True):
     assert_grads_close(result["grads"], grads, **FP32)
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_own_head_logits"])
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_own_head"])
 def test_two_ranks_match_one_process_on_the_full_batch(ddp_fsdp2_ranks, single_process, scenario):
-    _assert_matches_single_process(ddp_fsdp2_ranks[scenario], single_process, scenario != "fsdp2_own_head_logits")
+    _assert_matches_single_process(ddp_fsdp2_ranks[scenario], single_process)
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2_head_groups", "fsdp2_recompute_head_groups"])
@@ -252,8 +246,6 @@ def test_head_grouped_attention_on_two_fsdp2_ranks_matches_one_process(head_grou
     _assert_matches_single_process(result, single_process)
 
 
-def test_separately_sharded_lm_head_takes_the_logits_path_with_a_warning(ddp_fsdp2_ranks):
-    (warning,) = ddp_fsdp2_ranks["fsdp2_own_head_warnings"]
-    assert "lm_head is sharded by FSDP on its own" in warning and "logits" in warning
-    message = ddp_fsdp2_ranks["fsdp2_own_head_error"]  # skip_logits=True asks for the fused loss explicitly
-    assert message is not None and "skip_logits=True, but lm_head is sharded by FSDP on its own" in message
+def test_separately_sharded_lm_head_keeps_the_fused_loss_without_a_warning(ddp_fsdp2_ranks):
+    assert ddp_fsdp2_ranks["fsdp2_own_head_warnings"] == []
+    assert ddp_fsdp2_ranks["fsdp2_own_head"]["logits_skipped"] is True

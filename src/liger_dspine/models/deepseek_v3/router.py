@@ -26,6 +26,7 @@ A warning says so.
 import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from liger_dspine.modules.parallel_state import full_shape
 from liger_dspine.ops.moe_router import check_router_config
 from liger_dspine.ops.moe_router import liger_moe_router_topk
 from liger_dspine.ops.moe_router import liger_router_logits
@@ -52,14 +53,14 @@ class LigerTopkRouter:
         """Why the kernel does not route this router's grouping (transformers' own routing does), or None."""
         if not hasattr(module, "num_group"):  # transformers < 5.13: the MoE block's method routes
             return None
-        return masked_topk_reason(module.weight.shape[0], module.top_k, module.num_group, module.topk_group)
+        return masked_topk_reason(full_shape(module.weight)[0], module.top_k, module.num_group, module.topk_group)
 
     @staticmethod
     def check_convertible(module: torch.nn.Module) -> None:
         """Refuse, before a patch, a grouping the kernel cannot honour (checked by the MoE block's method before
         transformers 5.13, where the router holds no grouping)."""
         if hasattr(module, "num_group"):
-            check_router_config(module.weight.shape[0], module.top_k, module.num_group, module.topk_group)
+            check_router_config(full_shape(module.weight)[0], module.top_k, module.num_group, module.topk_group)
 
     def forward(self, hidden_states: torch.Tensor):
         if self.kept_native_reason(self) is not None:
@@ -109,7 +110,7 @@ def liger_route_tokens_to_experts(self, router_logits: torch.Tensor) -> tuple[to
 
 def _moe_block_reason(block: torch.nn.Module) -> str | None:
     """``kept_native_reason`` of a MoE block routing in its own method (transformers < 5.13)."""
-    return masked_topk_reason(block.gate.weight.shape[0], block.top_k, block.n_group, block.topk_group)
+    return masked_topk_reason(full_shape(block.gate.weight)[0], block.top_k, block.n_group, block.topk_group)
 
 
 liger_route_tokens_to_experts.kept_native_reason = _moe_block_reason
