@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from liger_dspine.drafter_training import data
+from liger_dspine.drafter_training import reporting
 from liger_dspine.drafter_training import setup
 from liger_dspine.drafter_training import state
 from liger_dspine.models.dspine.accumulation import DSpineAccumulationWindow
@@ -135,6 +136,7 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
     rows_per_step = args.accumulation_steps * world * args.batch_size
     end = min(args.steps, stop_after) if stop_after is not None else args.steps
     progress = _progress(args.steps, step, rank == 0)
+    reporter = reporting.open_reporter(getattr(args, "report_to", "none"), args.output_dir, args) if rank == 0 else None
     history = []
     while step < end:
         if device.type == "cuda":
@@ -161,12 +163,16 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
         metrics["peak_gib"] = peak
         history.append(metrics)
         _report(metrics, progress, rank, args.metrics_csv)
+        if reporter is not None:
+            reporter.log(metrics)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             folder = state.save_checkpoint(args.output_dir, draft, optimizer, scheduler, step, position)
             if rank == 0:
                 logger.info("saved %s", folder)
     if progress is not None:
         progress.close()
+    if reporter is not None:
+        reporter.close()
     return history
 
 

@@ -1,6 +1,8 @@
 """Arguments of ``liger-dspine train-drafter``, the ``--tiny`` preset and their checks."""
 
 import argparse
+import importlib.util
+import json
 import os
 
 # A CPU-sized run: the demo's tiny DeepSeek-V3 target (hidden 64, byte vocabulary) and a 2-layer drafter.
@@ -39,6 +41,24 @@ DEFAULTS = dict(
     alignment_warmup_steps=0,
     dtype="auto",
 )
+# Defaults that depend on the target or on other options, as ``--help`` states them.
+DERIVED_DEFAULTS = dict(
+    target_layers="the config's",
+    dataset="the embedded demo text, as bytes",
+    tokenizer="the --target folder",
+    drafter_config="built from the sizes below",
+    drafter_heads="hidden size / head width",
+    drafter_kv_heads="a quarter of the heads",
+    drafter_head_dim="min(128, hidden size / 2)",
+    drafter_intermediate_size="2 x hidden size",
+    transfer_rank="1024, cut to min(hidden size, vocabulary - 1)",
+    top_k="16, cut to the vocabulary",
+    target_layer_ids="spread over the target's layers",
+    mask_token_id="the drafter config's; 0 with the embedded text; required with --dataset",
+    **{f"drafter_{name}": "the target's, when it has MLA" for name in MLA_OPTIONS},
+)
+# Optional packages of --report-to (pip install 'liger-dspine[<name>]').
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 # The drafter's sizes: --drafter-config fixes them all, so none may be given with it.
 DRAFTER_SIZE_OPTIONS = (
     "drafter_layers",
@@ -66,36 +86,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--dataset",
         help="JSONL: a list of token ids, {'input_ids': [...], 'loss_mask': [0/1, ...]} or {'messages': [...]} (needs "
-        "--tokenizer, or a --target folder with one) per line; default: the embedded demo text, as bytes",
+        "--tokenizer, or a --target folder with one) per line",
     )
-    data.add_argument("--tokenizer", help="tokenizer folder for chat messages (default: --target)")
+    data.add_argument("--tokenizer", help="tokenizer folder for chat messages")
     data.add_argument("--seq-len", type=int, help="tokens per packed row")
     data.add_argument("--batch-size", type=int, help="rows per micro-batch and rank")
     drafter = parser.add_argument_group("drafter")
     drafter.add_argument(
         "--drafter-config",
-        help="a DSpine drafter config file (SpecForge's layout), or a folder holding its config.json; else the sizes",
+        help="a DSpine drafter config file (SpecForge's layout), or a folder holding its config.json",
     )
-    drafter.add_argument("--drafter-layers", type=int, help="default 2")
-    drafter.add_argument("--block-size", type=int)
-    drafter.add_argument("--drafter-heads", type=int)
-    drafter.add_argument("--drafter-kv-heads", type=int)
-    drafter.add_argument("--drafter-head-dim", type=int)
-    drafter.add_argument("--drafter-intermediate-size", type=int)
+    drafter.add_argument("--drafter-layers", type=int, help="drafter layers")
+    drafter.add_argument("--block-size", type=int, help="tokens per draft block, its anchor included")
+    drafter.add_argument("--drafter-heads", type=int, help="attention heads")
+    drafter.add_argument("--drafter-kv-heads", type=int, help="key-value heads")
+    drafter.add_argument("--drafter-head-dim", type=int, help="head width")
+    drafter.add_argument("--drafter-intermediate-size", type=int, help="MLP width")
     drafter.add_argument(
         "--drafter-attention",
         choices=("gqa", "mla"),
         default="gqa",
-        help="mla: SpecForge's MLA draft attention; its sizes default to the target's when the target has MLA",
+        help="gqa: grouped-query attention; mla: SpecForge's MLA draft attention",
     )
     drafter.add_argument("--drafter-q-lora-rank", type=int, help="MLA query rank (0: a direct q_proj)")
     drafter.add_argument("--drafter-kv-lora-rank", type=int, help="MLA key-value latent rank")
     drafter.add_argument("--drafter-qk-nope-head-dim", type=int, help="MLA query / key columns without RoPE")
     drafter.add_argument("--drafter-qk-rope-head-dim", type=int, help="MLA query / key columns with RoPE")
     drafter.add_argument("--drafter-v-head-dim", type=int, help="MLA value head width")
-    drafter.add_argument("--transfer-rank", type=int)
-    drafter.add_argument("--message-size", type=int)
-    drafter.add_argument("--top-k", type=int)
+    drafter.add_argument("--transfer-rank", type=int, help="rank of the transfer space of the target's head")
+    drafter.add_argument("--message-size", type=int, help="width of the messages between block positions")
+    drafter.add_argument("--top-k", type=int, help="candidates of the refinement term")
     drafter.add_argument("--target-layer-ids", help="comma-separated target layers to tap, e.g. 0,1,2,3")
     drafter.add_argument(
         "--mask-token-id",
@@ -104,28 +124,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is an error)",
     )
     drafter.add_argument(
-        "--alignment-warmup-steps", type=int, help="steps of the alignment weight's ramp (default 0; SpecForge: 146)"
+        "--alignment-warmup-steps", type=int, help="steps of the alignment weight's ramp (SpecForge: 146)"
     )
     drafter.add_argument("--num-anchors", type=int, help="blocks drawn per row at most")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
     optim.add_argument("--lr", type=float, help="AdamW peak learning rate")
-    optim.add_argument("--weight-decay", type=float, default=0.01)
-    optim.add_argument("--warmup-steps", type=int, default=0)
-    optim.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine")
+    optim.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    optim.add_argument("--warmup-steps", type=int, default=0, help="steps of the learning rate's linear warm-up")
+    optim.add_argument(
+        "--schedule", choices=("cosine", "linear", "constant"), default="cosine", help="learning rate after warm-up"
+    )
     optim.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     optim.add_argument("--steps", type=int, help="optimizer steps")
     run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", default="dspine-drafter")
+    run.add_argument("--output-dir", default="dspine-drafter", help="folder of the checkpoint-STEP folders")
     run.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     run.add_argument(
         "--liger", action=argparse.BooleanOptionalAction, default=True, help="Liger kernels and the fused objective"
     )
     run.add_argument("--tiny", action="store_true", help="a CPU-sized run (tiny target and drafter)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the anchors")
     run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA, else float32")
     run.add_argument("--metrics-csv", help="append one row of metrics per step to this CSV")
+    run.add_argument(
+        "--report-to",
+        choices=("none", "tensorboard", "wandb"),
+        default="none",
+        help="log each step's metrics there too (an optional package: pip install 'liger-dspine[tensorboard]')",
+    )
 
 
 def fail(message: str):
@@ -133,7 +161,10 @@ def fail(message: str):
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the preset's and the defaults' values, parse the lists, and check everything that needs no model."""
+    """Fill the preset's and the defaults' values, parse the lists, and check everything that needs no model.
+    Resolving resolved arguments returns them as they are."""
+    if getattr(args, "resolved", False):
+        return args
     preset = TINY if args.tiny else {}
     args.given = frozenset(key for key in vars(args) if key != "given" and getattr(args, key) is not None)
     if args.drafter_config:
@@ -191,9 +222,36 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         fail(f"--drafter-{mla_options[0].replace('_', '-')} needs --drafter-attention mla")
     if args.drafter_config and args.drafter_attention == "mla":
         fail("--drafter-attention mla builds the drafter from sizes: give it or --drafter-config, not both")
+    if args.dataset is not None and args.mask_token_id is None and not _config_names_mask_token(drafter_config):
+        fail(
+            "a --dataset needs --mask-token-id (a token id never in the data)"
+            + (f"; {drafter_config!r} names none" if drafter_config else "")
+        )
+    report_to = getattr(args, "report_to", "none")
+    package = REPORT_PACKAGES.get(report_to)
+    if package and importlib.util.find_spec(package) is None:
+        fail(f"--report-to {report_to} needs the {package} package: pip install 'liger-dspine[{report_to}]'")
     if isinstance(args.target_layer_ids, str):
         try:
             args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
         except ValueError:
             fail(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}")
+    args.resolved = True
     return args
+
+
+def _config_names_mask_token(drafter_config: str | None) -> bool:
+    """Whether a drafter config file (or a folder's config.json) names a ``mask_token_id``, read without building it;
+    an unreadable one counts as naming it: building the drafter config then says what is wrong with it."""
+    if drafter_config is None:
+        return False
+    path = drafter_config if os.path.isfile(drafter_config) else os.path.join(drafter_config, "config.json")
+    try:
+        with open(path) as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return True
+    if not isinstance(config, dict):
+        return True
+    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    return dflash.get("mask_token_id", config.get("mask_token_id")) is not None
