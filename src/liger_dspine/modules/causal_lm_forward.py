@@ -207,19 +207,18 @@ def _causal_lm_forward(
         targets = _shifted_targets(labels, shift_labels, hidden_states, ignore_index)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"), ignore_index)
     if skip_logits:
-        shard = None if gathered_by_hooks(self.lm_head) else vocab_shard(self.lm_head.weight)
-        if shard is not None:  # tensor parallelism's vocabulary-sharded head
-            loss = _vocab_parallel_linear_ce(hidden_states, shard, targets, divisor, ignore_index)
+        fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
+
+        def head_loss(hidden):  # reads the weight while the head's sharding hooks (if any) hold it gathered
+            shard = vocab_shard(self.lm_head.weight)
+            if shard is not None:  # tensor parallelism's vocabulary-sharded head
+                return _vocab_parallel_linear_ce(hidden, shard, targets, divisor, ignore_index), None
+            return fused_loss(hidden, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index)
+
+        if gathered_by_hooks(self.lm_head):  # FSDP2 or ZeRO-3 hooks on the head: run inside them
+            loss, token_accuracy = call_through_hooks(self.lm_head, head_loss, hidden_states)
         else:
-            fused_loss = _vocab_chunked_linear_ce if vocab_chunked else _fused_linear_ce
-
-            def head_loss(hidden):  # reads the weight while the head's sharding hooks (if any) hold it gathered
-                return fused_loss(hidden, self.lm_head.weight, targets, divisor, accum_dtype, ignore_index)
-
-            if gathered_by_hooks(self.lm_head):
-                loss, token_accuracy = call_through_hooks(self.lm_head, head_loss, hidden_states)
-            else:
-                loss, token_accuracy = head_loss(hidden_states)
+            loss, token_accuracy = head_loss(hidden_states)
     else:
         logits = self.lm_head(hidden_states)
         if has_labels:

@@ -19,6 +19,7 @@ def unfused_head_reason(head: nn.Module) -> str | None:
     if (head._forward_hooks or head._forward_pre_hooks) and not parameter_hooks_only(head):
         return "lm_head has forward hooks"
     if "forward" in vars(head) and not hasattr(head, "_hf_hook") and not tensor_parallel_head(head):
-        # accelerate's hook only moves the inputs; tensor parallelism's forward only moves its input and output
+        # accelerate's hook only moves the inputs; tensor parallelism's forward (transformers marks the modules its
+        # plans install forwards on) only moves its input and output
         return "lm_head's forward is replaced on the module"
     return None

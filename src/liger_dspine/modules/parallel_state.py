@@ -75,9 +75,18 @@ def sharded_head_reason(head: nn.Module) -> str | None:
 
 
 def tensor_parallel_head(head: nn.Module) -> bool:
-    """Whether ``head`` is tensor parallelism's vocabulary-sharded head (its forward, installed by the plan, only
-    moves the input and output between layouts)."""
-    return vocab_shard(head.weight) is not None and not _is_fsdp_module(head)
+    """Whether ``head`` is tensor parallelism's vocabulary-sharded head, whose forward, installed by the plan, only
+    moves the input and output between layouts: its weight is sharded over the vocabulary on a 1-D mesh, or on the
+    innermost dimension of a 2-D one (FSDP2 outside, gathered before the loss reads it), and transformers marks the
+    module as one its plans installed a forward on."""
+    DTensor = _dtensor_class()
+    weight = head.weight
+    if DTensor is None or not isinstance(weight, DTensor):
+        return False
+    from torch.distributed.tensor import Shard
+
+    vocabulary_sharded = tuple(weight.placements)[-1:] == (Shard(0),)
+    return vocabulary_sharded and (getattr(head, "_is_hooked", False) or not _is_fsdp_module(head))
 
 
 def rowwise_shard(linear: nn.Module):
