@@ -269,7 +269,22 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             chosen.append(candidate_ids[..., slot, :].gather(-1, index[..., None]).squeeze(-1))
         return torch.stack(chosen, dim=-1)
 
-    def spec_generate(self, *args, **kwargs):
-        raise NotImplementedError(
-            "DSpine serving needs a DSpine verifier integration; native generation is not provided"
-        )
+    def spec_generate(
+        self,
+        target,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        refine: bool = True,
+        generator: torch.Generator | None = None,
+    ):
+        """Speculative decoding of ``input_ids`` [1, S] with ``target`` verifying this drafter's blocks (SpecForge's
+        DFlash signature); see :func:`liger_dspine.models.dspine.generation.spec_generate`.
+
+        Returns:
+            ``SpecGenerateOutput``: ``sequences`` [1, S + new tokens] and the acceptance statistics.
+        """
+        from liger_dspine.models.dspine.generation import spec_generate
+
+        return spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids, temperature, refine, generator)
