@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-family-v4-sweep | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -175,6 +175,8 @@ for step in "$@"; do
     bench-family-v4-sweep) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v4 --sweep-only ;;
     # MiniCPM5-MoE-like at 2 layers, 4096 and 16384 tokens (needs NEW_TRANSFORMERS=1 with transformers 5.25 in .whl)
     bench-family-minicpm5) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models minicpm5_moe ;;
+    # the loss on a tensor-parallel lm_head, one rank's share: logits path against the vocabulary-parallel fused loss
+    bench-vocab-parallel) BENCH_SCRIPT=benchmark/bench_vocab_parallel_ce.py run_bench ;;
     # every Triton compilation of a cold first step at 4096 and of a first step at 6144 (PROFILE_MODEL, default V4)
     profile-compile)
       timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_compile.py --model "${PROFILE_MODEL:-deepseek_v4}" \
