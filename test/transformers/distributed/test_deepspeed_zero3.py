@@ -20,6 +20,7 @@ from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("deepspeed", reason="DeepSpeed (a test extra)")
 FP32 = dict(atol=1e-5, rtol=1e-5)
+pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
 ZERO3 = {
     "zero_optimization": {"stage": 3},

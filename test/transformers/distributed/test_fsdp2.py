@@ -21,6 +21,7 @@ from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("transformers.distributed.fsdp", reason="transformers' FSDP2 plan")
 FP32 = dict(atol=1e-5, rtol=1e-5)
+pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
 
 

@@ -18,6 +18,7 @@ from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("transformers.distributed.fsdp", reason="transformers' distributed plans")
 FP32 = dict(atol=1e-5, rtol=1e-5)
+pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
 LAYOUTS = {"tp_x_fsdp": (dict(tp_size=2, fsdp_size=2), 2), "ep_x_fsdp": (dict(fsdp_size=4, ep_size=2), 4)}
 SCENARIOS = [(layout, order) for layout in LAYOUTS for order in ("class", "instance")]
