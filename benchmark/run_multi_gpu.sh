@@ -6,7 +6,7 @@
 #   ENGINE: ddp tp ep fsdp2 tp_fsdp ep_fsdp zero3 (default: all; tp_fsdp and ep_fsdp need N >= 4)
 #
 # --dry-run checks the script on CPU: gloo, fp32, a tiny model, 2 steps, 2 ranks (4 for the 2-D engines).
-# Results: $OUT (default benchmark/data/multi_gpu): one JSON per engine and implementation, multi_gpu.csv,
+# Results: $OUT (default benchmark/data/multi_gpu; for --dry-run $TMPDIR/multi_gpu_dry_run): one JSON per engine and implementation, multi_gpu.csv,
 # multi_gpu.md and multi_gpu.png (loss curves), from benchmark/multi_gpu_report.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ while (($#)); do
   shift
 done
 ((${#engines[@]})) || engines=(ddp tp ep fsdp2 tp_fsdp ep_fsdp zero3)
-OUT=${OUT:-benchmark/data/multi_gpu$( ((dry_run)) && echo _dry_run)}
+OUT=${OUT:-$( ((dry_run)) && echo "${TMPDIR:-/tmp}/multi_gpu_dry_run" || echo benchmark/data/multi_gpu)}
 mkdir -p "$OUT"
 extra=()
 if ((dry_run)); then
