@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=TRAIN_DRAFTER,
     )
     options.add_arguments(train)
+    from liger_dspine.drafter_training import eval_options
+
+    evaluate = sub.add_parser("eval-drafter", help="a DSpine drafter's acceptance length against its target")
+    eval_options.add_arguments(evaluate)
     _state_defaults(parser)
+    _state_defaults(evaluate, eval_options.STATED_DEFAULTS)
     _state_defaults(demo, {"steps": "8 for the DeepSeek-V3 demo, 30 for the DSpine demo"})
     _state_defaults(convert)
     _state_defaults(train, {**options.DEFAULTS, **options.DERIVED_DEFAULTS}, options.TINY)
@@ -85,6 +90,10 @@ def main(argv=None) -> int:
         return deepseek_v3 or dspine
     if args.command == "train-drafter":
         return _train_drafter(args)
+    if args.command == "eval-drafter":
+        from liger_dspine.drafter_training.eval_command import main as eval_drafter
+
+        return eval_drafter(args)
     return _inspect(args.config)
 
 

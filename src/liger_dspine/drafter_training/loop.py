@@ -19,6 +19,7 @@ from liger_dspine.drafter_training import data
 from liger_dspine.drafter_training import reporting
 from liger_dspine.drafter_training import setup
 from liger_dspine.drafter_training import state
+from liger_dspine.drafter_training import training_eval
 from liger_dspine.models.dspine.accumulation import DSpineAccumulationWindow
 from liger_dspine.models.dspine.capture import TargetCapture
 
@@ -137,6 +138,7 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
     end = min(args.steps, stop_after) if stop_after is not None else args.steps
     progress = _progress(args.steps, step, rank == 0)
     reporter = reporting.open_reporter(getattr(args, "report_to", "none"), args.output_dir, args) if rank == 0 else None
+    monitor = training_eval.acceptance_monitor(args, target, draft, objective.mask_token_id) if rank == 0 else None
     history = []
     while step < end:
         if device.type == "cuda":
@@ -161,6 +163,8 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
         tokens = rows_per_step * args.seq_len
         metrics = {"step": step, **metrics, "lr": lr, "tokens_per_s": tokens / step_s, "step_s": step_s}
         metrics["peak_gib"] = peak
+        if monitor is not None and monitor.due(step):
+            metrics.update(monitor(step))
         history.append(metrics)
         _report(metrics, progress, rank, args.metrics_csv)
         if reporter is not None:

@@ -154,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="log each step's metrics there too (an optional package: pip install 'liger-dspine[tensorboard]')",
     )
+    from liger_dspine.drafter_training import training_eval
+
+    training_eval.add_arguments(parser)
 
 
 def fail(message: str):
@@ -236,6 +239,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
         except ValueError:
             fail(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}")
+    from liger_dspine.drafter_training import training_eval
+
+    training_eval.check_arguments(args)
     args.resolved = True
     return args
 
