@@ -1,0 +1,291 @@
+"""Drafter quality, native against the Liger path: both train the same DSpine drafter from the same weights on the
+same batches, and their offline acceptance lengths (``eval-drafter``'s) must rise well above the untrained drafter's
+and agree.
+
+The target is a random Qwen3 at real widths (hidden 2048, 8 layers, vocabulary 32000) whose attention outputs are
+scaled by 0.2, so that its next token is mostly a function of the current one and its greedy continuations are
+learnable in a few hundred steps (a random target's continuations are deterministic; their patterns are what a
+drafter learns). Training rows are its greedy continuations of random prompts, captured once; held-out prompts come
+from another seed. Native: the drafter's native modules and the eager objective. Liger: the patched drafter
+(``apply_liger_kernel_to_dspine``: Liger RMSNorm, SwiGLU, attention and injection) and the fused objective.
+
+    python benchmark/bench_drafter_acceptance.py          # GPU, bf16: 300 steps a path
+    python benchmark/bench_drafter_acceptance.py --tiny   # CPU check of the script (tiny models, a few steps, fp32)
+
+Writes data/drafter_acceptance{,_tiny}.{csv,md} (and .png with matplotlib). It passes when, after the last step, both
+paths' refined and plain acceptance lengths exceed the untrained drafter's by ``--min-rise`` and differ by at most
+``--tolerance``.
+"""
+
+import argparse
+import copy
+import csv
+import os
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data")
+FIELDS = ["impl", "step", "loss", "refined", "plain", "step_s"]
+
+# (target, drafter, data, training) sizes of the GPU run and of --tiny
+SIZES = {
+    "gpu": dict(
+        hidden=2048, intermediate=6144, layers=8, heads=16, kv_heads=8, head_dim=128, vocab=32000,
+        drafter_layers=2, block=8, top_k=8, rank=1024, message=512, taps=[1, 3, 5, 7],
+        prompt=16, continuation=240, train_rows=512, rows_per_step=8, anchors=64, eval_rows=32, eval_anchors=64,
+        steps=300, eval_every=100, lr=3e-3, dtype="bfloat16",
+    ),
+    "tiny": dict(
+        hidden=32, intermediate=64, layers=4, heads=4, kv_heads=2, head_dim=8, vocab=96,
+        drafter_layers=2, block=4, top_k=3, rank=8, message=4, taps=[0, 2],
+        prompt=4, continuation=28, train_rows=8, rows_per_step=1, anchors=4, eval_rows=2, eval_anchors=8,
+        steps=2, eval_every=2, lr=2e-2, dtype="float32",
+    ),
+}  # fmt: skip
+ATTENTION_SCALE = 0.2
+
+
+def build_target(sizes: dict, device, dtype):
+    from transformers import Qwen3Config
+    from transformers import Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=sizes["hidden"],
+        intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["layers"],
+        num_attention_heads=sizes["heads"],
+        num_key_value_heads=sizes["kv_heads"],
+        head_dim=sizes["head_dim"],
+        vocab_size=sizes["vocab"],
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(ATTENTION_SCALE)
+    return target
+
+
+def drafter_config(sizes: dict):
+    from liger_dspine.models.dspine import DSpineDraftConfig
+
+    hidden = sizes["hidden"]
+    return DSpineDraftConfig(
+        hidden_size=hidden,
+        intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["drafter_layers"],
+        num_attention_heads=sizes["heads"],
+        num_key_value_heads=sizes["kv_heads"],
+        head_dim=sizes["head_dim"],
+        vocab_size=sizes["vocab"],
+        max_position_embeddings=4096,
+        block_size=sizes["block"],
+        dflash_config={"mask_token_id": sizes["vocab"] - 1, "target_layer_ids": sizes["taps"]},
+        dspine_config={
+            "transfer_rank": sizes["rank"],
+            "message_size": sizes["message"],
+            "top_k": sizes["top_k"],
+            "alignment_warmup_steps": 0,
+        },
+    )
+
+
+@torch.no_grad()
+def continuations(target, rows: int, prompt: int, new_tokens: int, seed: int, mask_token_id: int):
+    """[rows, prompt + new_tokens]: greedy continuations of random prompts (the mask token never in a prompt)."""
+    generator = torch.Generator().manual_seed(seed)
+    device = target.lm_head.weight.device
+    prompts = torch.randint(0, mask_token_id, (rows, prompt), generator=generator).to(device)
+    out = []
+    for start in range(0, rows, 64):
+        chunk = prompts[start : start + 64]
+        out.append(
+            target.generate(
+                chunk,
+                attention_mask=torch.ones_like(chunk),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        )
+    return torch.cat(out)
+
+
+def train_path(name, draft, target, batches, sequences, sizes, liger: bool, writer, rows):
+    from liger_dspine import apply_liger_kernel_to_dspine
+    from liger_dspine.drafter_training.evaluation import offline_acceptance
+    from liger_dspine.models.dspine import DSpineObjective
+
+    objective = DSpineObjective(
+        draft, target.lm_head, target.model.embed_tokens, num_anchors=sizes["anchors"], fused_objective=liger
+    ).train()
+    if liger:
+        apply_liger_kernel_to_dspine(model=objective)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=sizes["lr"])
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    torch.manual_seed(7)  # the same anchor and teacher-forcing draws on both paths
+    steps = sizes["steps"]
+    for step in range(1, steps + 1):
+        sync()
+        start = time.perf_counter()
+        output = objective(**batches[(step - 1) % len(batches)], global_step=step - 1, total_steps=steps)
+        output.loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        step_s = time.perf_counter() - start
+        if step % sizes["eval_every"] == 0 or step == steps:
+            state = torch.random.get_rng_state()
+            results = offline_acceptance(draft, target, sequences)
+            torch.random.set_rng_state(state)
+            row = dict(impl=name, step=step, loss=float(output.loss.detach()), step_s=step_s)
+            row.update(refined=results["refined"].mean_acceptance_length, plain=results["plain"].mean_acceptance_length)
+            rows.append(row)
+            writer.writerow(row)
+            print(f"{name:>7} step {step:4d}: loss {row['loss']:.4f}, acceptance {row['refined']:.3f} "
+                  f"(plain {row['plain']:.3f}), {step_s * 1e3:.0f} ms/step", flush=True)  # fmt: skip
+
+
+def end_to_end_lines(draft, target, prompts: torch.Tensor, new_tokens: int) -> list[str]:
+    """spec_generate on each prompt, refined and plain: acceptance length, tokens per target forward, time, and
+    whether the output is generate(do_sample=False)'s (in bf16 a verification's rounding may differ from decoding's
+    one token at a time, and an argmax with it)."""
+    lines = ["| draft | mean acceptance length | tokens / target forward | draft s | verify s | = generate |"]
+    lines.append("|---|---|---|---|---|---|")
+    for refine in (True, False):
+        outputs = [draft.spec_generate(target, row[None], new_tokens, refine=refine) for row in prompts]
+        lengths = [length for output in outputs for length in output.acceptance_lengths]
+        tokens = sum(output.new_tokens for output in outputs)
+        forwards = sum(output.target_forwards for output in outputs)
+        same = sum(
+            torch.equal(
+                output.sequences,
+                target.generate(
+                    row[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+                ),
+            )
+            for output, row in zip(outputs, prompts)
+        )
+        lines.append(
+            f"| {'refined' if refine else 'plain'} | {sum(lengths) / len(lengths):.3f} | {tokens / forwards:.3f} | "
+            f"{sum(o.draft_s for o in outputs):.2f} | {sum(o.verify_s for o in outputs):.2f} | {same}/{len(outputs)} |"
+        )
+    return lines
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for impl in ("native", "liger"):
+        points = [row for row in rows if row["impl"] == impl]
+        for variant, style in (("refined", "-"), ("plain", "--")):
+            axis.plot(
+                [r["step"] for r in points], [r[variant] for r in points], style, marker="o", label=f"{impl} {variant}"
+            )
+    axis.set(xlabel="step", ylabel="offline acceptance length", title="DSpine drafter: native and Liger training")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU, a few steps")
+    parser.add_argument("--steps", type=int, help="training steps a path (default: 300, --tiny: 2)")
+    parser.add_argument("--eval-every", type=int, help="evaluate every N steps (default: 100, --tiny: 2)")
+    parser.add_argument("--min-rise", type=float, default=0.5, help="required rise over the untrained drafter")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="largest native-Liger acceptance difference")
+    parser.add_argument("--out", default=DATA, help="folder of the CSV, table and plot")
+    parser.add_argument("--budget-s", type=float, help="accepted for run_gpu.sh; the run is bounded by --steps")
+    args = parser.parse_args(argv)
+
+    from liger_dspine.cli import _setup_device
+
+    _setup_device(args.tiny)  # before any kernel module is imported: --tiny runs on the CPU, through the interpreter
+    from liger_dspine.drafter_training.evaluation import EvalSequence
+    from liger_dspine.drafter_training.evaluation import offline_acceptance
+    from liger_dspine.models.dspine import DSpineDraftModel
+    from liger_dspine.models.dspine.capture import TargetCapture
+
+    sizes = dict(SIZES["tiny" if args.tiny else "gpu"])
+    sizes.update({k: v for k, v in (("steps", args.steps), ("eval_every", args.eval_every)) if v is not None})
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = getattr(torch, sizes["dtype"])
+    target = build_target(sizes, device, dtype)
+    config = drafter_config(sizes)
+    mask = config.mask_token_id
+    capture = TargetCapture(target, config.target_layer_ids)
+    rows_per_step = sizes["rows_per_step"]
+    train = continuations(target, sizes["train_rows"], sizes["prompt"], sizes["continuation"], 1, mask)
+    batches = [capture(train[i : i + rows_per_step]) for i in range(0, len(train), rows_per_step)]
+    held_out = continuations(
+        target, sizes["eval_rows"], sizes["prompt"], sizes["eval_anchors"] + config.block_size - 1, 2, mask
+    )
+    sequences = [
+        EvalSequence(row, sizes["prompt"], sizes["eval_anchors"], capture(row[None])["hidden_states"])
+        for row in held_out
+    ]
+
+    torch.manual_seed(1)
+    initial = DSpineDraftModel(config).to(device=device, dtype=dtype)
+    initial.initialize_transfer_space(target.lm_head.weight.float())
+    with torch.no_grad():  # writes at 0 would leave the spine out of the first steps
+        for write in initial.injection.writes:
+            write.weight.normal_(0.0, 0.02)
+    untrained = offline_acceptance(initial, target, sequences)
+    untrained = {name: stats.mean_acceptance_length for name, stats in untrained.items()}
+    print(f"untrained: acceptance {untrained['refined']:.3f} (plain {untrained['plain']:.3f})")
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "drafter_acceptance" + ("_tiny" if args.tiny else ""))
+    rows = [dict(impl="untrained", step=0, loss=float("nan"), step_s=0.0, **untrained)]
+    with open(stem + ".csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerow(rows[0])
+        trained = {}
+        for name, liger in (("native", False), ("liger", True)):
+            trained[name] = copy.deepcopy(initial)
+            train_path(name, trained[name], target, batches, sequences, sizes, liger, writer, rows)
+
+    final = {row["impl"]: row for row in rows}  # the last row of each path
+    checks = {}
+    for variant in ("refined", "plain"):
+        for impl in ("native", "liger"):
+            checks[f"{impl} {variant} rises"] = final[impl][variant] >= untrained[variant] + args.min_rise
+        checks[f"{variant} agrees"] = abs(final["native"][variant] - final["liger"][variant]) <= args.tolerance
+    passed = all(checks.values())
+    lines = ["| impl | step | loss | refined | plain | ms/step |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['impl']} | {r['step']} | {r['loss']:.4f} | {r['refined']:.3f} | {r['plain']:.3f} | "
+            f"{r['step_s'] * 1e3:.0f} |"
+        )
+    lines += ["", "end to end (spec_generate, greedy, the Liger-trained drafter):", ""]
+    lines += end_to_end_lines(trained["liger"], target, held_out[:, : sizes["prompt"]], sizes["eval_anchors"])
+    lines += ["", f"{'passed' if passed else 'FAILED'}: " + ", ".join(f"{k}: {v}" for k, v in checks.items())]
+    lines += [f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, dtype {sizes['dtype']}"]
+    with open(stem + ".md", "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plotted = plot(rows, stem + ".png")
+    print(f"wrote {stem}.csv, {stem}.md" + (f", {plotted}" if plotted else " (no plot: matplotlib is not installed)"))
+    return {"rows": rows, "checks": checks, "passed": passed}
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if main()["passed"] else 1)
