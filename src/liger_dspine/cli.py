@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     eval_options.add_arguments(evaluate)
     _state_defaults(parser)
     _state_defaults(evaluate, eval_options.STATED_DEFAULTS)
+    from liger_dspine.drafter_training import generate_command
+
+    generate = sub.add_parser("generate", help="speculative decoding of one prompt with a DSpine drafter")
+    generate_command.add_arguments(generate)
+    _state_defaults(generate, generate_command.STATED_DEFAULTS)
     _state_defaults(demo, {"steps": "8 for the DeepSeek-V3 demo, 30 for the DSpine demo"})
     _state_defaults(convert)
     _state_defaults(train, {**options.DEFAULTS, **options.DERIVED_DEFAULTS}, options.TINY)
@@ -94,6 +99,10 @@ def main(argv=None) -> int:
         from liger_dspine.drafter_training.eval_command import main as eval_drafter
 
         return eval_drafter(args)
+    if args.command == "generate":
+        from liger_dspine.drafter_training.generate_command import main as generate
+
+        return generate(args)
     return _inspect(args.config)
 
 

@@ -231,3 +231,37 @@ def test_train_drafter_logs_the_offline_acceptance_length(tmp_path):
 def test_train_drafter_refuses_bad_evaluation_arguments(argv, message):
     with pytest.raises(ValueError, match=f"^liger-dspine: {message}"):
         parse_train(*argv)
+
+
+def test_generate_prints_the_greedy_continuation_and_its_statistics(drafter_folder, capsys):
+    target = trained_drafter()[0]
+    prompt = random_prompts(1, 6, seed=31)
+    argv = ["generate", str(drafter_folder / "drafter"), "--target", str(drafter_folder / "target"), "--no-liger"]
+    ids = ",".join(map(str, prompt[0].tolist()))
+    assert main([*argv, "--prompt-ids", ids, "--max-new-tokens", "15"]) == 0
+    captured = capsys.readouterr()
+    expected = target.generate(prompt, max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert captured.out.strip() == ",".join(map(str, expected[0, 6:].tolist()))
+    assert re.search(r"15 tokens, \d+ verification steps, mean acceptance length [\d.]+", captured.err)
+    stop = int(expected[0, 10])
+    assert main([*argv, "--prompt-ids", ids, "--max-new-tokens", "15", "--stop-token-ids", str(stop)]) == 0
+    printed = capsys.readouterr().out.strip().split(",")
+    assert printed == [str(t) for t in expected[0, 6:].tolist()][: printed.index(str(stop)) + 1]
+    assert printed[-1] == str(stop)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], r"give the prompt as --prompt TEXT or --prompt-ids IDS \(one\)"),
+        (["--prompt-ids", "1,2", "--prompt", "hi"], r"give the prompt as --prompt TEXT or --prompt-ids IDS \(one\)"),
+        (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--prompt-ids", "1,2", "--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    ],
+)
+def test_generate_refuses_bad_arguments_before_loading(drafter_folder, capsys, no_model_loads, extra, message):
+    argv = ["generate", str(drafter_folder / "drafter"), "--target", str(drafter_folder / "target"), *extra]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert re.match(f"liger-dspine: {message}", error) and len(error.strip().splitlines()) == 1, error
