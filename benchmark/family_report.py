@@ -1,5 +1,5 @@
 """The DeepSeek-family benchmark's markdown table and plot: per model and length, each implementation's tokens/s,
-peak memory and first step, liger-dspine's ratios to hf and liger, its loss against hf's, and the issue's goals.
+peak memory and first step, liger-dspine's ratios to hf and liger, its loss against hf's, and the goals.
 
 Usage: python benchmark/family_report.py benchmark/data/family.csv [--plot benchmark/data/family.png]
 """
@@ -24,9 +24,9 @@ LONGEST_GOALS = {"deepseek_v4": 2.0}
 
 def family_markdown(rows: list[dict]) -> str:
     steps = [r for r in rows if r.get("kind") == "throughput"]
-    header = ["model", "seq"] + [f"{i} tok/s" for i in IMPLS] + ["dspine/hf speed", "dspine/liger speed"]
-    header += [f"{i} peak GiB" for i in IMPLS] + ["dspine/hf peak", "dspine/liger peak"]
-    header += [f"{i} first step s" for i in IMPLS] + ["loss dspine-hf"]
+    header = ["model", "seq"] + [f"{i} tok/s" for i in IMPLS] + ["liger-dspine/hf speed", "liger-dspine/liger speed"]
+    header += [f"{i} peak GiB" for i in IMPLS] + ["liger-dspine/hf peak", "liger-dspine/liger peak"]
+    header += [f"{i} first step s" for i in IMPLS] + ["loss liger-dspine - hf"]
     lines = _header_lines(header)
     notes = []
     for model in [m for m in FAMILY if any(r.get("model") == m for r in steps)]:

@@ -52,7 +52,7 @@ def test_second_run_keeps_the_first_runs_rows_and_says_why_not(tiny_run):
     v32 = [row for row in rows if row["model"] == "deepseek_v32"]
     assert len(v32) == 1 and v32[0]["status"].startswith(("skipped: ", "unsupported: ")), v32
     assert "| deepseek_v2 (DeepSeek-V2-Lite-like) | 16 |" in report
-    assert "dspine/hf speed" in report and "dspine/liger peak" in report and "deepseek_v2 goals:" in report
+    assert "liger-dspine/hf speed" in report and "liger-dspine/liger peak" in report and "deepseek_v2 goals:" in report
 
 
 def test_deepseek_v4_runs_its_layer_plan_with_the_defaults(tiny_run):
