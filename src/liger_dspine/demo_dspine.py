@@ -5,8 +5,10 @@ states on a batch of the embedded corpus (:class:`~liger_dspine.models.dspine.ca
 keeps only those) and hands them to the drafter's objective, as a trainer capturing them on the fly does. The patched
 copy is converted at instance level
 (``apply_liger_kernel_to_dspine(model=objective)``): Liger RMSNorm and SwiGLU in the drafter, fused frozen-head
-terms in the objective. With a random target and a few steps the losses follow the batches more than they fall;
-what the demo shows is that both columns agree.
+terms in the objective. So that the loss falls within the demo's few steps, the drafter learns one window of the
+corpus (the same window every step, new anchors each step); a real run trains on a dataset with ``train-drafter``.
+AdamW's ``eps`` is 1e-3 so that parameters with near-zero gradients do not turn fp32 rounding differences into full
+steps: the two curves then agree to about 1e-6.
 """
 
 import copy
@@ -21,10 +23,18 @@ from liger_dspine.demo import print_comparison
 
 TARGET_LAYER_IDS = [0, 1]  # both layers of the demo target
 MASK_TOKEN_ID = 0  # the NUL byte, never in the corpus
+STEPS = 12
 SEQ_LEN = 16
 BATCH_SIZE = 1
-NUM_ANCHORS = 3
+NUM_ANCHORS = 12
 BLOCK_SIZE = 4
+LR = 1e-2
+ADAM_EPS = 1e-3
+# One H200, a Qwen3-8B-like drafter (benchmark/RESULTS.md, "DSpine drafter training").
+GPU_FIGURES = (
+    "on one H200, a DSpine training step of a Qwen3-8B-like drafter (5 layers, hidden 4096, vocabulary 151936, bf16) "
+    "runs 1.84x faster with 0.43x the peak memory, and the objective alone 3.18x faster with 0.10x"
+)
 
 
 def dspine_demo_config(target_config):
@@ -49,7 +59,7 @@ def dspine_demo_config(target_config):
 
 def train(objective, capture, batches, device, seed: int, desc: str) -> list[float]:
     """AdamW steps on the drafter; each step reseeds, so both runs draw the same anchors and teacher forcing."""
-    optimizer = torch.optim.AdamW(objective.draft_model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(objective.draft_model.parameters(), lr=LR, eps=ADAM_EPS)
     objective.train()
     losses = []
     for step, input_ids in enumerate(tqdm(batches, desc=desc, unit="step")):
@@ -63,7 +73,7 @@ def train(objective, capture, batches, device, seed: int, desc: str) -> list[flo
     return losses
 
 
-def run_dspine_demo(steps: int = 8, seed: int = 0) -> int:
+def run_dspine_demo(steps: int = STEPS, seed: int = 0) -> int:
     from transformers import DeepseekV3ForCausalLM
 
     from liger_dspine import apply_liger_kernel_to_dspine
@@ -84,8 +94,9 @@ def run_dspine_demo(steps: int = 8, seed: int = 0) -> int:
     native = DSpineObjective(draft, target.lm_head, target.model.embed_tokens, num_anchors=NUM_ANCHORS)
     patched = copy.deepcopy(native)
     report = apply_liger_kernel_to_dspine(model=patched)
+    print(report)
     capture = TargetCapture(target, TARGET_LAYER_IDS)
-    batches = corpus_batches(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, steps=steps, seed=seed)
+    batches = corpus_batches(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, steps=1, seed=seed) * steps  # one window
 
     start = time.perf_counter()
     native_losses = train(native, capture, batches, device, seed, "native")
@@ -94,4 +105,7 @@ def run_dspine_demo(steps: int = 8, seed: int = 0) -> int:
     patched_losses = train(patched, capture, batches, device, seed, "liger-dspine")
     patched_s = time.perf_counter() - start
 
-    return print_comparison(native_losses, patched_losses, native_s, patched_s, where, report)
+    status = print_comparison(native_losses, patched_losses, native_s, patched_s, device, GPU_FIGURES)
+    first, last = native_losses[0], native_losses[-1]
+    print(f"learning: the drafter's loss went from {first:.3f} at step 0 to {last:.3f} at step {steps - 1}")
+    return status

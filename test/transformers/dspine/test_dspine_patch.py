@@ -456,7 +456,7 @@ def test_dspine_demo_runs(capsys):
 
     assert run_dspine_demo(steps=2, seed=0) == 0
     printed = capsys.readouterr().out
-    assert "largest loss difference" in printed and "fused_objective_on" in printed
+    assert "result: patched and native runs give the same losses" in printed and "fused_objective_on" in printed
     assert_native_globals()
 
 
