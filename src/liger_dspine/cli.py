@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="speculative decoding of one prompt with a DSpine drafter")
     generate_command.add_arguments(generate)
     _state_defaults(generate, generate_command.STATED_DEFAULTS)
+    from liger_dspine.drafter_training import capture_command
+
+    capture = sub.add_parser("capture", help="write a target's taps of a dataset to disk for train-drafter --taps")
+    capture_command.add_arguments(capture)
+    _state_defaults(capture, capture_command.STATED_DEFAULTS)
     _state_defaults(demo, {"steps": "8 for the DeepSeek-V3 demo, 30 for the DSpine demo"})
     _state_defaults(convert)
     _state_defaults(train, {**options.DEFAULTS, **options.DERIVED_DEFAULTS}, options.TINY)
@@ -103,6 +108,10 @@ def main(argv=None) -> int:
         from liger_dspine.drafter_training.generate_command import main as generate
 
         return generate(args)
+    if args.command == "capture":
+        from liger_dspine.drafter_training.capture_command import main as capture
+
+        return capture(args)
     return _inspect(args.config)
 
 

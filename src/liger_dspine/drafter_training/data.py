@@ -192,11 +192,13 @@ class RowStream:
             self._orders = {epoch: torch.randperm(len(self.rows), generator=generator)}
         return self._orders[epoch]
 
+    def indices(self, start: int, count: int) -> list[int]:
+        """The indices into ``rows`` of the stream's rows ``start .. start + count - 1``."""
+        return [int(self._order(i // len(self.rows))[i % len(self.rows)]) for i in range(start, start + count)]
+
     def batch(self, start: int, count: int) -> dict:
         """Rows ``start .. start + count - 1`` of the stream, stacked: input_ids, position_ids, loss_mask [count, S]."""
-        picked = [
-            self.rows[int(self._order(i // len(self.rows))[i % len(self.rows)])] for i in range(start, start + count)
-        ]
+        picked = [self.rows[index] for index in self.indices(start, count)]
         return {
             "input_ids": torch.cat([row.input_ids for row in picked]),
             "position_ids": torch.cat([row.position_ids for row in picked]),

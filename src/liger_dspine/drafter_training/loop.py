@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from liger_dspine.drafter_training import data
+from liger_dspine.drafter_training import offline_taps
 from liger_dspine.drafter_training import reporting
 from liger_dspine.drafter_training import setup
 from liger_dspine.drafter_training import state
@@ -116,7 +117,13 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
     capture = TargetCapture(target, draft.target_layer_ids)
     if capture.head_input.field is not None:
         logger.info("the target's head reads %s: the teacher is lm_head of it", capture.head_input)
-    stream = data.RowStream(_rows(args, target, objective.mask_token_id), args.seed)
+    if getattr(args, "taps", None):
+        stream = offline_taps.open_tap_stream(
+            args.taps, args.seed, target, draft.target_layer_ids, args.seq_len, dtype, objective.mask_token_id
+        )
+        capture = offline_taps.already_captured
+    else:
+        stream = data.RowStream(_rows(args, target, objective.mask_token_id), args.seed)
 
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.steps, args.schedule))

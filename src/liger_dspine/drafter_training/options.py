@@ -154,9 +154,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="log each step's metrics there too (an optional package: pip install 'liger-dspine[tensorboard]')",
     )
+    from liger_dspine.drafter_training import offline_taps
     from liger_dspine.drafter_training import training_eval
 
     training_eval.add_arguments(parser)
+    offline_taps.add_arguments(data)
 
 
 def fail(message: str):
@@ -239,9 +241,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             args.target_layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
         except ValueError:
             fail(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}")
+    from liger_dspine.drafter_training import offline_taps
     from liger_dspine.drafter_training import training_eval
 
     training_eval.check_arguments(args)
+    offline_taps.check_arguments(args)
     args.resolved = True
     return args
 
