@@ -40,7 +40,7 @@ SIZES = {
     "tiny": dict(
         hidden=32, intermediate=64, layers=4, heads=4, kv_heads=2, head_dim=8, vocab=96,
         drafter_layers=2, block=4, top_k=3, rank=8, message=4, taps=[0, 2],
-        prompt=4, continuation=28, train_rows=8, rows_per_step=1, anchors=4, eval_rows=2, eval_anchors=8,
+        prompt=4, continuation=28, train_rows=8, rows_per_step=1, anchors=4, eval_rows=1, eval_anchors=6,
         steps=2, eval_every=2, lr=2e-2, dtype="float32",
     ),
 }  # fmt: skip
@@ -203,6 +203,14 @@ def plot(rows: list[dict], path: str) -> str | None:
 
 
 def main(argv=None) -> dict:
+    threads = torch.get_num_threads()
+    try:
+        return run(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU, a few steps")
     parser.add_argument("--steps", type=int, help="training steps a path (default: 300, --tiny: 2)")
@@ -221,6 +229,8 @@ def main(argv=None) -> dict:
     from liger_dspine.models.dspine import DSpineDraftModel
     from liger_dspine.models.dspine.capture import TargetCapture
 
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny ops: one thread beats two on a shared CPU
     sizes = dict(SIZES["tiny" if args.tiny else "gpu"])
     sizes.update({k: v for k, v in (("steps", args.steps), ("eval_every", args.eval_every)) if v is not None})
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
