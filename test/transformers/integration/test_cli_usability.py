@@ -26,7 +26,16 @@ def commands(parser):
 
 def test_every_option_states_its_default_and_help_is_plain_text():
     parsers = commands(build_parser())
-    assert set(parsers) == {"liger-dspine", "demo", "inspect", "convert", "train-drafter", "eval-drafter", "generate", "capture"}
+    assert set(parsers) == {
+        "liger-dspine",
+        "demo",
+        "inspect",
+        "convert",
+        "train-drafter",
+        "eval-drafter",
+        "generate",
+        "capture",
+    }
     for name, parser in parsers.items():
         options = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
         options = [a for a in options if not isinstance(a, argparse._VersionAction)]
