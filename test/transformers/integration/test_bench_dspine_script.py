@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the DSpine benchmark's three parts through the interpreter: minutes: make test-slow
+
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmark" / "bench_dspine.py"
 
 

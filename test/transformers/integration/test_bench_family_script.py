@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a benchmark run of every family model through the interpreter: minutes: make test-slow
+
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmark" / "bench_family.py"
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the DeepSeek-V3 benchmark through the interpreter: minutes: make test-slow
+
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmark" / "bench_deepseek_v3.py"
 
 

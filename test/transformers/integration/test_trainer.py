@@ -23,6 +23,8 @@ from tiny_models import labels_with_ignored
 from tiny_models import module_types
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.slow  # Trainer and SFTTrainer, native and patched, through the interpreter: make test-slow
+
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 
 STEPS = 3

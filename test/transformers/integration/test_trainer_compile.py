@@ -20,6 +20,8 @@ from tiny_models import labels_with_ignored
 from tiny_models import module_types
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.slow  # a compiled Trainer run against an uncompiled one: make test-slow
+
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 
 STEPS = 3
