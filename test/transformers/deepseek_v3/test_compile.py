@@ -26,6 +26,8 @@ from tiny_models import loss_and_grads
 from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
+pytestmark = pytest.mark.slow  # dynamo and inductor over the interpreter: minutes: make test-slow
+
 TOLERANCE = {"aot_eager": dict(atol=1e-6, rtol=1e-6), "inductor": dict(atol=1e-5, rtol=1e-5)}
 
 

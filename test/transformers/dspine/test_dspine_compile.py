@@ -34,6 +34,8 @@ from tiny_dspine import tiny_draft_config
 from tiny_dspine import tiny_target
 from tiny_dspine import to_device
 
+pytestmark = pytest.mark.slow  # dynamo and inductor over the interpreter: minutes: make test-slow
+
 pytest.importorskip("liger_kernel")
 
 DEVICES = [
