@@ -255,6 +255,7 @@ def test_instance_patch_trains_as_native(case):
     assert_trains_as_native(case, patched, native)
 
 
+@pytest.mark.slow  # every model built under the class-level patch and trained: minutes in all on the interpreter
 def test_class_patch_builds_the_models_own_modules_and_trains_as_native(case, class_level):
     native = case.build()
     case.apply_fn()()
