@@ -5,8 +5,8 @@ Under a tensor-parallel plan each of the tp ranks holds V / tp rows of lm_head. 
                 ("colwise_gather_output"), then the cross entropy on them (an fp32 upcast, its gradient)
     vocab-par   this package's vocabulary-parallel fused loss: token chunks of the local [T, V/tp] logits, three
                 numbers per row all-reduced, no [T, V] tensor on any rank
-One process stands for one rank (a one-rank process group: the all-reduces cost nothing here, and on NCCL they move
-3 x T floats per chunk, and d hidden [T, H] once). The goal: the fused loss's peak above the inputs is at most
+One process stands for one rank (a one-rank process group: the all-reduces cost nothing here; on NCCL they move
+3 x T floats, and d hidden [T, H] in fp32 once). The goal: the fused loss's peak above the inputs is at most
 1/tp of the logits path's plus one fused chunk.
 
     python benchmark/bench_vocab_parallel_ce.py                       # DeepSeek-V3's head, T = 4096 and 16384
@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import liger_dspine  # noqa: F401  (before any kernel module)
-from liger_dspine.ops.vocab_parallel_cross_entropy import default_token_chunk
-from liger_dspine.ops.vocab_parallel_cross_entropy import liger_vocab_parallel_linear_cross_entropy
+if not torch.cuda.is_available():  # --tiny: Triton's CPU interpreter, switched on before any kernel module
+    os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
+import liger_dspine  # noqa: E402,F401
+from liger_dspine.ops.linear_cross_entropy import default_vocab_chunk  # noqa: E402
+from liger_dspine.ops.vocab_parallel_cross_entropy import liger_vocab_parallel_linear_cross_entropy  # noqa: E402
 
 GIB = 2**30
 IGNORE_INDEX = -100
@@ -89,8 +91,7 @@ def measure(impl, tp, tokens, hidden_size, vocab, dtype, device, iters, warmup):
         torch.cuda.synchronize()
     ms = (time.perf_counter() - start) * 1e3 / iters
     peak = (torch.cuda.max_memory_allocated() - base) / GIB if cuda else float("nan")
-    chunk_rows = default_token_chunk(tokens, local_vocab)
-    chunk_gib = chunk_rows * local_vocab * 4 / GIB
+    chunk_gib = tokens * default_vocab_chunk(tokens, local_vocab) * hidden.element_size() / GIB  # one logits chunk
     return {"fwd_bwd_ms": ms if cuda else float("nan"), "peak_gib": peak, "chunk_gib": chunk_gib, "loss": loss.item()}
 
 

@@ -3,108 +3,89 @@
     loss = reduce_t  ce_t,   ce_t = logsumexp_v(z_t) - z_t[y_t],   z = hidden @ weight^T  (all V columns)
 
 Tensor parallelism shards ``lm_head`` column-wise (the vocabulary); the native path gathers the [T, V] logits on
-every rank. Here each rank computes its [T, Vr] logits in chunks of tokens and the ranks all-reduce three numbers
-per row instead: the row max (MAX), then the sum of exponentials below it and the target's logit (SUM, in one
-call; exactly one rank holds each target). The full logits never exist on any rank.
+every rank. Here each rank runs the vocabulary-chunked loss's kernels (``ops/linear_cross_entropy.py``) on its own
+rows only, and the ranks all-reduce three numbers per row instead of the logits: the row max (MAX), then the sum of
+exponentials rescaled to it and the target's logit (SUM, in one call; exactly one rank holds each target). No rank
+forms the whole logits.
 
-Forward, for each chunk of Tc tokens:   Z = hidden_c @ W_r^T (the input dtype, fp32 statistics), then the two
-all-reduces; saved: hidden, the local weight, targets and lse [T] fp32.
-Backward, for each chunk (the same GEMM recomputes Z):
-    dZ = (exp(Z - lse) - onehot_r(y)) * scale          the rank's columns only; ignored rows are zero
-    d weight_r += dZ^T @ hidden_c                      fp32 accumulator of the rank's rows
-    d hidden_c  = dZ @ W_r                             a partial sum over the vocabulary: one SUM all-reduce of
-                                                       [T, H] at the end makes it whole on every rank
-hidden is replicated over the group (as the native column-parallel head's input is), so every rank returns the
-same d hidden, as the native path's input all-reduce gives.
+Forward: the per-row statistics of the rank's rows (vocabulary chunks of Vc columns, one GEMM and one Triton pass
+each), the two all-reduces, lse [T] fp32; saved: hidden, the local weight, the local targets and lse.
+Backward, for each vocabulary chunk (the same GEMM recomputes Z_j):
+    dZ_j = (exp(Z_j - lse) - onehot(y)) * scale          the rank's columns; ignored rows are zero
+    d weight_r[j-th rows] = dZ_j^T @ hidden              written into its slice, no accumulator
+    d hidden += dZ_j @ W_j                               fp32; a partial sum over the vocabulary, made whole by one
+                                                         SUM all-reduce of [T, H] on every rank
+hidden is replicated over the group (as the native column-parallel head's input is), so every rank returns the same
+d hidden, as the native path's input all-reduce gives.
 
-Transient memory per rank: one [Tc, Vr] chunk (Tc the largest multiple of 64 whose fp32 chunk fits
-``DEFAULT_CHUNK_BYTES``), the fp32 d weight_r [Vr, H] and d hidden [T, H]. Reductions: "mean" over the rows whose
-target is not ``ignore_index`` (0 with zero gradients when there are none), or "sum". Targets outside [0, V) other
-than ``ignore_index`` are an error. These are torch GEMMs and collectives, no Triton kernel: the op runs wherever
-the process group's backend does (gloo on CPU, NCCL on GPUs).
+Transient memory per rank: one [T, Vc] logits chunk (``default_vocab_chunk`` of the local rows) and the fp32
+d hidden [T, H], beside d weight_r itself. Reductions: "mean" over the rows whose target is not ``ignore_index`` (0
+with zero gradients when there are none), or "sum". Targets outside [0, V) other than ``ignore_index`` are an error.
 """
 
 import torch
 import torch.distributed as dist
 
 from liger_dspine.ops.first_order import first_order_only
+from liger_dspine.ops.gemm_dtype import gemm_dtype
+from liger_dspine.ops.linear_cross_entropy import _vocab_chunked_ce_backward
+from liger_dspine.ops.linear_cross_entropy import _vocab_chunked_ce_stats
+from liger_dspine.ops.linear_cross_entropy import default_vocab_chunk
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+_KERNEL_IGNORE = -1  # the local targets' ignore index: valid rows map into [0, Vr] (Vr: held by another rank)
 
 
-def default_token_chunk(tokens: int, local_vocab: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Rows per chunk: the largest multiple of 64 whose [rows, local_vocab] fp32 chunk fits ``chunk_bytes``."""
-    rows = max(64, (chunk_bytes // (4 * max(local_vocab, 1))) // 64 * 64)
-    return min(rows, max(tokens, 1))
-
-
-def _chunk_logits(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (hidden_c @ weight.t()).float()  # [Tc, Vr]
-
-
-def _local_targets(targets_c: torch.Tensor, vocab_start: int, local_vocab: int):
-    """(index into the rank's columns, clamped to a valid column; whether the target is on this rank)."""
-    local = targets_c - vocab_start
-    here = (local >= 0) & (local < local_vocab)
-    return local.clamp(0, local_vocab - 1), here
+def local_targets(targets: torch.Tensor, vocab_start: int, local_vocab: int, ignore_index: int) -> torch.Tensor:
+    """Targets as column indices of the rank's rows: ``Vr`` where another rank holds the target (it matches no
+    column), -1 for an ignored row."""
+    local = targets - vocab_start
+    local = torch.where((local >= 0) & (local < local_vocab), local, local_vocab)
+    return torch.where(targets == ignore_index, _KERNEL_IGNORE, local)
 
 
 class LigerVocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
-    """``(hidden [T, H], weight_r [Vr, H], targets [T], vocab_start, group, ignore_index, reduction, token_chunk)``
+    """``(hidden [T, H], weight_r [Vr, H], targets [T], vocab_start, group, ignore_index, reduction, vocab_chunk)``
     -> loss (0-d fp32), identical on every rank of ``group``."""
 
-    kernel_ops = ()  # torch GEMMs and collectives only
+    kernel_ops = ("liger_dspine::vocab_chunked_ce_stats", "liger_dspine::vocab_chunked_ce_backward")
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, group, ignore_index, reduction, token_chunk):
-        local_vocab = weight.shape[0]
-        lse = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        target_logit = torch.zeros_like(lse)
-        for start in range(0, hidden.shape[0], token_chunk):
-            rows = slice(start, start + token_chunk)
-            z = _chunk_logits(hidden[rows], weight)
-            row_max = z.amax(dim=1)
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            local, here = _local_targets(targets[rows], vocab_start, local_vocab)
-            sums = torch.stack(
-                [torch.exp(z - row_max[:, None]).sum(dim=1), torch.where(here, z.gather(1, local[:, None])[:, 0], 0.0)]
-            )
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            lse[rows] = row_max + torch.log(sums[0])
-            target_logit[rows] = sums[1]
+    def forward(ctx, hidden, weight, targets, vocab_start, group, ignore_index, reduction, vocab_chunk):
+        dtype = gemm_dtype(hidden, weight, "vocabulary-parallel linear cross entropy")
+        local = local_targets(targets, vocab_start, weight.shape[0], ignore_index)
+        row_max, row_sumexp, target_logit, _ = _vocab_chunked_ce_stats(hidden, weight, local, False, vocab_chunk, dtype)
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        rescaled = torch.where(row_max > float("-inf"), row_sumexp * torch.exp(row_max - global_max), 0.0)
+        sums = torch.stack([rescaled, target_logit])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        lse = global_max + torch.log(sums[0])
         valid = targets != ignore_index
-        total = torch.where(valid, lse - target_logit, 0.0).sum()
+        total = torch.where(valid, lse - sums[1], 0.0).sum()
         scale = 1.0 / valid.sum().clamp(min=1).float() if reduction == "mean" else torch.ones((), device=lse.device)
-        ctx.save_for_backward(hidden, weight, targets, lse, scale)
-        ctx.vocab_start, ctx.group, ctx.ignore_index, ctx.token_chunk = vocab_start, group, ignore_index, token_chunk
+        ctx.save_for_backward(hidden, weight, local, lse, scale)
+        ctx.group, ctx.vocab_chunk, ctx.compute_dtype = group, vocab_chunk, dtype
         return total * scale
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_loss):
-        hidden, weight, targets, lse, scale = ctx.saved_tensors
+        hidden, weight, local, lse, scale = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
-        row_scale = torch.where(targets != ctx.ignore_index, scale * grad_loss, 0.0)  # [T] fp32
-        for start in range(0, hidden.shape[0], ctx.token_chunk):
-            rows = slice(start, start + ctx.token_chunk)
-            z = _chunk_logits(hidden[rows], weight)
-            grad_z = torch.exp(z - lse[rows, None])
-            local, here = _local_targets(targets[rows], ctx.vocab_start, weight.shape[0])
-            grad_z.scatter_add_(1, local[:, None], -here.to(grad_z.dtype)[:, None])
-            grad_z = (grad_z * row_scale[rows, None]).to(hidden.dtype)  # rounded as the logits path's dZ is
-            if need_weight:
-                grad_weight.addmm_(grad_z.t().float(), hidden[rows].float())
-            if need_hidden:
-                grad_hidden[rows] = grad_z.float() @ weight.float()
-        if need_hidden:
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)
-            grad_hidden = grad_hidden.to(hidden.dtype)
-        if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        none = (None,) * 6
+        if not (need_hidden or need_weight):
+            return None, None, *none
+        grad_scale = (scale * grad_loss.float()).contiguous()
+        grad_hidden, grad_weight = _vocab_chunked_ce_backward(
+            hidden, weight, local, lse, grad_scale, _KERNEL_IGNORE, ctx.vocab_chunk, ctx.compute_dtype,
+            need_hidden, need_weight,
+        )  # fmt: skip
+        if need_hidden:  # each rank's columns give a partial d hidden: summed in fp32
+            whole = grad_hidden.float()
+            dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=ctx.group)
+            grad_hidden = whole.to(hidden.dtype)
+        return grad_hidden if need_hidden else None, grad_weight if need_weight else None, *none
 
 
 def liger_vocab_parallel_linear_cross_entropy(
@@ -116,7 +97,7 @@ def liger_vocab_parallel_linear_cross_entropy(
     group=None,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
-    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
 ) -> torch.Tensor:
     """Cross entropy of ``hidden [T, H] @ weight^T`` where ``weight [Vr, H]`` is this rank's slice of a [V, H] head
     starting at row ``vocab_start``, the slices of ``group``'s ranks covering [0, vocab_size). ``targets [T]`` and
@@ -141,7 +122,7 @@ def liger_vocab_parallel_linear_cross_entropy(
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
     if bool(bad.any()):
         raise ValueError(f"liger-dspine: targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}")
-    chunk = token_chunk or default_token_chunk(hidden.shape[0], weight.shape[0])
+    chunk = vocab_chunk or default_vocab_chunk(hidden.shape[0], weight.shape[0])
     return LigerVocabParallelLinearCrossEntropyFunction.apply(
         hidden, weight, targets, int(vocab_start), group, int(ignore_index), reduction, int(chunk)
     )

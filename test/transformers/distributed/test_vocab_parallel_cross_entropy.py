@@ -32,7 +32,7 @@ def _slices(world_size):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _rank_case(rank, world_size, reduction, token_chunk, all_ignored):
+def _rank_case(rank, world_size, reduction, vocab_chunk, all_ignored):
     import torch.distributed as dist
 
     hidden, weight, targets = _inputs(all_ignored)
@@ -40,7 +40,7 @@ def _rank_case(rank, world_size, reduction, token_chunk, all_ignored):
     hidden = hidden.clone().requires_grad_()
     local = weight[start:end].clone().requires_grad_()
     loss = liger_vocab_parallel_linear_cross_entropy(
-        hidden, local, targets, start, V, reduction=reduction, token_chunk=token_chunk
+        hidden, local, targets, start, V, reduction=reduction, vocab_chunk=vocab_chunk
     )
     (loss * 1.5).backward()
     gathered = [None] * world_size
@@ -50,10 +50,10 @@ def _rank_case(rank, world_size, reduction, token_chunk, all_ignored):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
-    ("reduction", "token_chunk", "all_ignored"), [("mean", 8, False), ("sum", None, False), ("mean", 5, True)]
+    ("reduction", "vocab_chunk", "all_ignored"), [("mean", 8, False), ("sum", None, False), ("mean", 5, True)]
 )
-def test_matches_whole_logits(tmp_path, world_size, reduction, token_chunk, all_ignored):
-    per_rank = run_on_gloo_ranks(tmp_path, world_size, _rank_case, reduction, token_chunk, all_ignored)
+def test_matches_whole_logits(tmp_path, world_size, reduction, vocab_chunk, all_ignored):
+    per_rank = run_on_gloo_ranks(tmp_path, world_size, _rank_case, reduction, vocab_chunk, all_ignored)
 
     hidden, weight, targets = _inputs(all_ignored)
     hidden64, weight64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
