@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml $(REQUIREMENTS)
 demo: $(STAMP)
 	$(PY) -m liger_dspine.cli demo
 
-# The unit and parity tests but those marked `slow` (about 12 minutes on 2 idle cores).
+# The unit and parity tests but those marked `slow` (their time: README.md, "Two commands").
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" test/transformers
 
