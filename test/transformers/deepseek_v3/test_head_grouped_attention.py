@@ -202,6 +202,7 @@ def test_head_grouped_on_cuda_matches_all_heads_at_once(monkeypatch, liger_class
         assert (g.float() - w.float()).abs().max().item() <= 2e-2 * scale + 1e-3
 
 
+@pytest.mark.slow  # whole models under checkpointing, four times: a minute and more on the interpreter
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("liger_class", [LigerDeepseekV3RecomputeAttention, LigerDeepseekV3Attention])
 def test_whole_model_with_gradient_checkpointing(device, monkeypatch, liger_class, use_reentrant):
