@@ -12,14 +12,13 @@ The patch is applied at class level before the model is built, and through ``reg
 import pytest
 import torch
 
+from one_process_reference import FP32
+from one_process_reference import batch
 from spawned_ranks import run_on_gloo_ranks
 from tiny_models import build_model
-from tiny_models import labels_with_ignored
-from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("deepspeed", reason="DeepSpeed (a test extra)")
-FP32 = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
 ZERO3 = {
@@ -32,8 +31,7 @@ ZERO3 = {
 
 
 def _batch(config):
-    input_ids, _ = random_batch(config, batch=BATCH, seq=6, seed=5)
-    return input_ids, labels_with_ignored(input_ids)
+    return batch(config, BATCH)
 
 
 def _train_one_step(path, order, folder):

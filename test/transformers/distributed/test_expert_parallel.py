@@ -10,21 +10,21 @@ under the dispatch in both cases (their calls are counted). fp32; 1e-5 covers th
 import pytest
 import torch
 
+from one_process_reference import FP32
+from one_process_reference import assert_matches
+from one_process_reference import batch
+from one_process_reference import gathered_grads
+from one_process_reference import saved_reference
 from spawned_ranks import run_on_gloo_ranks
-from tiny_models import build_model
-from tiny_models import labels_with_ignored
-from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers' expert parallelism")
-FP32 = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 SCENARIOS = [(order, impl) for order in ("class", "instance") for impl in ("all_to_all", "all_reduce")]
 
 
 def _batch(config):
-    input_ids, _ = random_batch(config, batch=2, seq=6, seed=5)
-    return input_ids, labels_with_ignored(input_ids)
+    return batch(config, 2)
 
 
 def _scenario(path, order, implementation):
@@ -47,9 +47,7 @@ def _scenario(path, order, implementation):
         input_ids, labels = _batch(model.config)
         out = model(input_ids, labels=labels)
         out.loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads = gathered_grads(model)
         return {"loss": out.loss.detach(), "grads": grads, "experts_per_call": calls}
     finally:
         grouped_experts.liger_grouped_experts = kernel
@@ -67,14 +65,7 @@ def _rank(rank, world_size, path):
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v3")
-    config = tiny_deepseek_v3_config()
-    model = build_model(config)
-    model.save_pretrained(path)
-    input_ids, labels = _batch(config)
-    out = model.train()(input_ids, labels=labels)
-    out.loss.backward()
-    return str(path), out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    return saved_reference(tmp_path_factory.mktemp("tiny_v3"), rows=2)
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +82,7 @@ def test_default_patch_under_expert_parallel_matches_one_process(ranks, saved_mo
         # the Liger experts ran, once per MoE layer, on this rank's half of the experts
         moe_layers = config.num_hidden_layers - config.first_k_dense_replace
         assert result["experts_per_call"] == [config.n_routed_experts // 2] * moe_layers
-        torch.testing.assert_close(result["loss"], loss, **FP32)
-        assert result["grads"].keys() == grads.keys()
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, **FP32, msg=name)
+        assert_matches(result, loss, grads)
 
 
 def test_routes_to_other_ranks_experts_add_nothing():

@@ -13,21 +13,19 @@ their gradients (what FSDP2 reduces) equal the whole batch's. fp32; 1e-5 covers 
 import pytest
 import torch
 
+from one_process_reference import assert_matches
+from one_process_reference import batch
+from one_process_reference import gathered_grads
+from one_process_reference import saved_reference
 from spawned_ranks import run_on_gloo_ranks
-from tiny_models import build_model
-from tiny_models import labels_with_ignored
-from tiny_models import random_batch
-from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("transformers.distributed.fsdp", reason="transformers' FSDP2 plan")
-FP32 = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
 
 
 def _batch(config):
-    input_ids, _ = random_batch(config, batch=BATCH, seq=6, seed=5)
-    return input_ids, labels_with_ignored(input_ids)
+    return batch(config, BATCH)
 
 
 def _step(model, rank, world_size):
@@ -39,9 +37,7 @@ def _step(model, rank, world_size):
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
-    grads = {}
-    for name, p in model.named_parameters():
-        grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    grads = gathered_grads(model)
     return {"loss": loss / world_size, "logits": out.logits is not None, "grads": grads}
 
 
@@ -94,14 +90,7 @@ def _rank(rank, world_size, path):
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v3")
-    config = tiny_deepseek_v3_config()
-    model = build_model(config)
-    model.save_pretrained(path)
-    input_ids, labels = _batch(config)
-    out = model.train()(input_ids, labels=labels)
-    out.loss.backward()
-    return str(path), out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    return saved_reference(tmp_path_factory.mktemp("tiny_v3"), rows=BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +103,7 @@ def test_default_patch_under_fsdp2_matches_one_process(ranks, saved_model, scena
     _, loss, grads = saved_model
     result = ranks[scenario]
     assert result["logits"] is False  # the fused loss ran on the gathered head
-    torch.testing.assert_close(result["loss"], loss, **FP32)
-    assert result["grads"].keys() == grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(result["grads"][name], grad, **FP32, msg=name)
+    assert_matches(result, loss, grads)
 
 
 def test_instance_patch_keeps_the_fsdp2_class(ranks):

@@ -10,20 +10,18 @@ reordered reductions (the vocabulary-parallel loss, the row-wise all-reduces).
 import pytest
 import torch
 
+from one_process_reference import assert_matches
+from one_process_reference import batch
+from one_process_reference import gathered_grads
+from one_process_reference import saved_reference
 from spawned_ranks import run_on_gloo_ranks
-from tiny_models import build_model
-from tiny_models import labels_with_ignored
-from tiny_models import random_batch
-from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("transformers.distributed.tensor_parallel", reason="transformers' DTensor tensor parallelism")
-FP32 = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 
 
 def _batch(config):
-    input_ids, _ = random_batch(config, batch=2, seq=6, seed=5)
-    return input_ids, labels_with_ignored(input_ids)
+    return batch(config, 2)
 
 
 def _rank(rank, world_size, path, order):
@@ -41,9 +39,7 @@ def _rank(rank, world_size, path, order):
         input_ids, labels = _batch(model.config)
         out = model(input_ids, labels=labels)
         out.loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads = gathered_grads(model)
         kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Liger")})
         return {"loss": out.loss.detach(), "logits": out.logits, "grads": grads, "head": sharded, "liger": kinds}
     finally:
@@ -52,14 +48,7 @@ def _rank(rank, world_size, path, order):
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v3")
-    config = tiny_deepseek_v3_config()
-    model = build_model(config)
-    model.save_pretrained(path)
-    input_ids, labels = _batch(config)
-    out = model.train()(input_ids, labels=labels)
-    out.loss.backward()
-    return str(path), out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    return saved_reference(tmp_path_factory.mktemp("tiny_v3"), rows=2)
 
 
 @pytest.mark.parametrize("order", ["class", "instance"])
@@ -69,7 +58,4 @@ def test_default_patch_under_tensor_parallel_matches_one_process(tmp_path, saved
     assert result["head"] == "DTensor"  # the plan did shard lm_head over the vocabulary
     assert result["logits"] is None  # the fused (vocabulary-parallel) loss ran
     assert {"LigerSwiGLUMLP", "LigerRMSNorm"} <= set(result["liger"])
-    torch.testing.assert_close(result["loss"], loss, **FP32)
-    assert result["grads"].keys() == grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(result["grads"][name], grad, **FP32, msg=name)
+    assert_matches(result, loss, grads)

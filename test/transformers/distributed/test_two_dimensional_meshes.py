@@ -10,14 +10,13 @@ fused loss must run (no logits): vocabulary-parallel inside the head's FSDP2 hoo
 import pytest
 import torch
 
+from one_process_reference import assert_matches
+from one_process_reference import batch
+from one_process_reference import gathered_grads
+from one_process_reference import saved_reference
 from spawned_ranks import run_on_gloo_ranks
-from tiny_models import build_model
-from tiny_models import labels_with_ignored
-from tiny_models import random_batch
-from tiny_models import tiny_deepseek_v3_config
 
 pytest.importorskip("transformers.distributed.fsdp", reason="transformers' distributed plans")
-FP32 = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
 LAYOUTS = {"tp_x_fsdp": (dict(tp_size=2, fsdp_size=2), 2), "ep_x_fsdp": (dict(fsdp_size=4, ep_size=2), 4)}
@@ -25,8 +24,7 @@ SCENARIOS = [(layout, order) for layout in LAYOUTS for order in ("class", "insta
 
 
 def _batch(config):
-    input_ids, _ = random_batch(config, batch=BATCH, seq=6, seed=5)
-    return input_ids, labels_with_ignored(input_ids)
+    return batch(config, BATCH)
 
 
 def _scenario(path, layout, order, rank, world_size):
@@ -51,9 +49,7 @@ def _scenario(path, layout, order, rank, world_size):
         out.loss.backward()
         loss = out.loss.detach().clone()
         dist.all_reduce(loss)
-        grads = {}
-        for name, p in model.named_parameters():
-            grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads = gathered_grads(model)
         return {"loss": loss / world_size, "logits": out.logits is not None, "grads": grads}
     finally:
         liger_dspine.revert_liger_kernel_to_deepseek_v3()
@@ -65,14 +61,7 @@ def _rank(rank, world_size, path):
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v3")
-    config = tiny_deepseek_v3_config()
-    model = build_model(config)
-    model.save_pretrained(path)
-    input_ids, labels = _batch(config)
-    out = model.train()(input_ids, labels=labels)
-    out.loss.backward()
-    return str(path), out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    return saved_reference(tmp_path_factory.mktemp("tiny_v3"), rows=BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +74,4 @@ def test_default_patch_on_a_2d_mesh_matches_one_process(ranks, saved_model, scen
     _, loss, grads = saved_model
     result = ranks[scenario]
     assert result["logits"] is False  # the fused loss ran
-    torch.testing.assert_close(result["loss"], loss, **FP32)
-    assert result["grads"].keys() == grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(result["grads"][name], grad, **FP32, msg=name)
+    assert_matches(result, loss, grads)
