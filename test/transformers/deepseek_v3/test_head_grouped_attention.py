@@ -45,6 +45,7 @@ def _inputs(config, device, batch, seq_len, layout="packed"):
     return hidden, cos, sin, causal_mask(batch, seq_len, seq_len, device)
 
 
+@pytest.mark.slow  # every head grouping against native, 24 ways: minutes on the interpreter: make test-slow
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
 @pytest.mark.parametrize("with_cache", [False, True])

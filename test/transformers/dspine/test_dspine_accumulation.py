@@ -158,6 +158,7 @@ def _gloo_worker(rank, world_size, store_path, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawned gloo ranks: make test-slow
 def test_one_all_reduce_per_window_on_two_gloo_ranks(tmp_path):
     context = mp.get_context("spawn")
     results = context.SimpleQueue()

@@ -3,6 +3,7 @@
 fp32 native objective on the CPU; the tiny target and drafter of ``tiny_dspine``.
 """
 
+import pytest
 import torch
 
 from liger_dspine.models.dspine import DSpineAccumulationWindow
@@ -144,6 +145,7 @@ def _ddp_rank_with_an_empty_last_micro_batch(rank, world_size):
     return full_anchor_window_grads(objective, ddp, mine, sync)
 
 
+@pytest.mark.slow  # spawned gloo ranks: make test-slow
 def test_ddp_rank_whose_last_micro_batch_is_empty_still_reduces(tmp_path):
     """DDP reduces in the last micro-batch's backward: an empty one must still give every parameter a (zero)
     gradient. fp32: only the summation order differs from one process on the four micro-batches."""

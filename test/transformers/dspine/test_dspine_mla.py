@@ -385,6 +385,7 @@ def parse_train_drafter(*argv):
     return resolve(parser.parse_args(["--tiny", "--no-liger", *argv]))
 
 
+@pytest.mark.slow  # a train-drafter run: make test-slow
 def test_train_drafter_mla_takes_the_target_sizes_and_trains(tmp_path):
     """--tiny's target is a DeepSeek-V3 (q_lora_rank 32, kv_lora_rank 32, nope 16, rope 8, v 16): the MLA drafter
     takes its sizes; 20 fp32 CPU steps lower the loss and write a checkpoint that checks and reloads as MLA."""

@@ -451,6 +451,7 @@ def test_accumulation_window_with_the_fused_objective(target):
 
 
 # ---------------------------------------------------------------------------------------------------------- demo
+@pytest.mark.slow  # the DSpine demo, patched through the interpreter: make test-slow
 def test_dspine_demo_runs(capsys):
     from liger_dspine.demo_dspine import run_dspine_demo
 

@@ -48,6 +48,7 @@ def read_losses(path) -> list[float]:
         return [float(row["loss"]) for row in csv.DictReader(handle)]
 
 
+@pytest.mark.slow  # 30 train-drafter steps: make test-slow
 def test_tiny_run_writes_a_specforge_checkpoint_and_the_loss_falls(tmp_path):
     metrics = tmp_path / "metrics.csv"
     argv = ["train-drafter", "--tiny", "--no-liger", "--steps", "30", "--output-dir", str(tmp_path / "out")]
@@ -68,6 +69,7 @@ def test_only_rank_0_prints_the_final_line(tmp_path, capsys, monkeypatch, rank):
     assert ("step 1: loss" in printed) == (rank == "0"), printed
 
 
+@pytest.mark.slow  # three train-drafter runs: make test-slow
 def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(tmp_path):
     """Bit-equal: the resumed run restores weights (fp32 safetensors), AdamW and scheduler state, the RNG (anchor and
     teacher-forcing draws) and the data position, and runs the same fp32 CPU kernels in the same order."""
@@ -226,6 +228,7 @@ def _run_ranks(folder, limit_s=300.0, teardown_s=30.0):
     join_ranks(context, finished, limit_s, teardown_s, f"the {WORLD_SIZE} DDP ranks")
 
 
+@pytest.mark.slow  # spawned gloo ranks: make test-slow
 def test_ddp_step_on_two_gloo_ranks_matches_one_process_on_the_whole_batch(tmp_path):
     """fp32: DDP averages the ranks' gradients of numerator * world / D_global, which is the single process's
     gradient of sum(numerators) / D; only the summation order differs (tolerance of the accumulation tests)."""

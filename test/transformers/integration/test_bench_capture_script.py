@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmark" / "bench_capture.py"
 
 
+@pytest.mark.slow  # a benchmark run: make test-slow
 def test_capture_benchmark_tiny(tmp_path):
     command = [sys.executable, str(SCRIPT), "--tiny", "--seq", "16", "--out-dir", str(tmp_path), "--name", "tiny"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)

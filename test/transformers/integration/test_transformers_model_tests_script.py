@@ -70,6 +70,7 @@ def run(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # two pytest runs in subprocesses: make test-slow
 def test_native_and_patched_runs_of_a_fake_tree(tmp_path):
     tree = fake_tree(tmp_path / "transformers")
     out = tmp_path / "out"
