@@ -73,6 +73,7 @@ def native_loss_and_grads(native_model, batch):
     return out.loss.detach(), grads
 
 
+@pytest.mark.slow  # whole-model checkpointed steps: make test-slow
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_gradient_checkpointing_gives_the_same_loss_and_grads(patched, batch, native_loss_and_grads, use_reentrant):
     input_ids, labels = batch

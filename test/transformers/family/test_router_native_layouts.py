@@ -145,6 +145,7 @@ def test_instance_patch_keeps_such_routers_native_and_reports_them(model_type, c
     assert_native_numbers(model, reference, batch(case))
 
 
+@pytest.mark.slow  # a model built and run per family member; the instance-level test stays: make test-slow
 @pytest.mark.parametrize("model_type", GROUPED)
 def test_class_patch_routes_such_layouts_natively(model_type, caplog):
     case = CASES[model_type]
