@@ -436,9 +436,6 @@ def test_refuses_bad_inputs():
         liger(x, torch.tensor([[0, 1], [2, -1], [1, 3]]), weights)
     with pytest.raises(ValueError, match="bfloat16"):
         liger(x.bfloat16(), torch.tensor([[0, 1], [2, 3], [1, 3]]), weights)
-    liger._is_expert_parallel = True
-    with pytest.raises(ValueError, match="expert parallel"):
-        liger(x, torch.tensor([[0, 1], [2, 3], [1, 3]]), weights)
 
 
 # CUDA: T=512, H=256, I=128, E=16, K=2, expert 5 without tokens.
