@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -25,7 +27,11 @@ from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
 from tiny_family import CASES  # noqa: E402
 from tiny_models import module_types  # noqa: E402
 
-pytestmark = pytest.mark.matrix
+# Verified on transformers 5.24 and 5.25; the older versions' routers, MoE blocks and outputs differ (to be covered).
+NEWER_TRANSFORMERS = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24"), reason="checked on transformers >= 5.24 only"
+)
+pytestmark = [pytest.mark.matrix, NEWER_TRANSFORMERS]
 
 # the grouped routers of the family (the shared-class types, kimi_k25 and mistral3, are covered by their text types)
 GROUPED = ["glm4_moe_lite", "axk1", "glm4_moe", "dots1", "deepseek_v2", "deepseek_v32", "glm_moe_dsa", "mistral4"]

