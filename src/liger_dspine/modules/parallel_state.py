@@ -146,7 +146,7 @@ def _filled(cell) -> bool:
     return True
 
 
-def expert_parallel_dispatch(module: nn.Module) -> str | None:
+def expert_parallel_dispatch(module: nn.Module) -> str:
     """ "none" for experts without an expert-parallel forward set on the module; "rebindable" when that forward
     reaches the experts through dispatchers this package can point at another forward; else "opaque"."""
     installed = vars(module).get("forward")
