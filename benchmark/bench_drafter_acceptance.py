@@ -2,12 +2,15 @@
 same batches, and their offline acceptance lengths (``eval-drafter``'s) must rise well above the untrained drafter's
 and agree.
 
-The target is a random Qwen3 at real widths (hidden 2048, 8 layers, vocabulary 32000) whose attention outputs are
-scaled by 0.2, so that its next token is mostly a function of the current one and its greedy continuations are
-learnable in a few hundred steps (a random target's continuations are deterministic; their patterns are what a
-drafter learns). Training rows are its greedy continuations of random prompts, captured once; held-out prompts come
-from another seed. Native: the drafter's native modules and the eager objective. Liger: the patched drafter
-(``apply_liger_kernel_to_dspine``: Liger RMSNorm, SwiGLU, attention and injection) and the fused objective.
+The target is a random DeepSeek-V3 at its real widths (hidden 7168, MLA, vocabulary 129280; 4 layers, the fourth MoE
+with 256 experts top-8) whose attention outputs are scaled by 0.2, so that its next token is mostly a function of the
+current one and its greedy continuations are learnable in a few hundred steps (a random target's continuations are
+deterministic; their patterns are what a drafter learns). Such a target shows that both paths train alike, not a real
+model's speed-up. The drafter is the one ``train-drafter`` builds for that target (its defaults: 2 layers, blocks of
+16, top-16 candidates, transfer rank 1024). Training rows are the target's greedy continuations of random prompts,
+captured once; held-out prompts come from another seed. Native: the drafter's native modules and the eager objective.
+Liger: the patched drafter (``apply_liger_kernel_to_dspine``: Liger RMSNorm, SwiGLU, attention and injection) and the
+fused objective. At the end ``spec_generate`` runs the Liger-trained drafter at batch 1 against ``target.generate``.
 
     python benchmark/bench_drafter_acceptance.py          # GPU, bf16: 300 steps a path
     python benchmark/bench_drafter_acceptance.py --tiny   # CPU check of the script (tiny models, a few steps, fp32)
@@ -20,7 +23,9 @@ paths' refined and plain acceptance lengths exceed the untrained drafter's by ``
 import argparse
 import copy
 import csv
+import json
 import os
+import tempfile
 import time
 
 import torch
@@ -29,68 +34,66 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data")
 FIELDS = ["impl", "step", "loss", "refined", "plain", "step_s"]
 
-# (target, drafter, data, training) sizes of the GPU run and of --tiny
+# DeepSeek-V3's widths (its config.json), at 4 layers: three dense, one MoE
+DEEPSEEK_V3 = dict(
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
+    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+    first_k_dense_replace=3, routed_scaling_factor=2.5, vocab_size=129280, num_hidden_layers=4,
+)  # fmt: skip
+TINY_DEEPSEEK_V3 = dict(
+    hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+    num_experts_per_tok=2, n_group=2, topk_group=2, n_shared_experts=1, first_k_dense_replace=3,
+    routed_scaling_factor=1.0, vocab_size=96, num_hidden_layers=4,
+)  # fmt: skip
+# (target, drafter options of train-drafter, data, training) of the GPU run and of --tiny
 SIZES = {
     "gpu": dict(
-        hidden=2048, intermediate=6144, layers=8, heads=16, kv_heads=8, head_dim=128, vocab=32000,
-        drafter_layers=2, block=8, top_k=8, rank=1024, message=512, taps=[1, 3, 5, 7],
+        target=DEEPSEEK_V3, drafter_args=[],
         prompt=16, continuation=240, train_rows=512, rows_per_step=8, anchors=64, eval_rows=32, eval_anchors=64,
-        steps=300, eval_every=100, lr=3e-3, dtype="bfloat16",
+        generate_prompts=8, steps=300, eval_every=100, lr=1e-3, dtype="bfloat16",
     ),
     "tiny": dict(
-        hidden=32, intermediate=64, layers=4, heads=4, kv_heads=2, head_dim=8, vocab=96,
-        drafter_layers=2, block=4, top_k=3, rank=8, message=4, taps=[0, 2],
+        target=TINY_DEEPSEEK_V3,
+        drafter_args=["--block-size", "4", "--top-k", "3", "--transfer-rank", "8", "--message-size", "4",
+                      "--drafter-head-dim", "8", "--target-layer-ids", "0,2"],
         prompt=4, continuation=28, train_rows=8, rows_per_step=1, anchors=4, eval_rows=1, eval_anchors=6,
-        steps=2, eval_every=2, lr=2e-2, dtype="float32",
+        generate_prompts=1, steps=2, eval_every=2, lr=2e-2, dtype="float32",
     ),
 }  # fmt: skip
 ATTENTION_SCALE = 0.2
 
 
-def build_target(sizes: dict, device, dtype):
-    from transformers import Qwen3Config
-    from transformers import Qwen3ForCausalLM
+def train_drafter_args(sizes: dict, folder: str, dtype: str):
+    """train-drafter's resolved arguments for a random target of ``sizes["target"]`` (its config written to
+    ``folder``) and the drafter options of ``sizes``; the mask token is the last id. The target stays native (both
+    paths share it; only the drafter's path differs)."""
+    from transformers import DeepseekV3Config
 
-    config = Qwen3Config(
-        hidden_size=sizes["hidden"],
-        intermediate_size=sizes["intermediate"],
-        num_hidden_layers=sizes["layers"],
-        num_attention_heads=sizes["heads"],
-        num_key_value_heads=sizes["kv_heads"],
-        head_dim=sizes["head_dim"],
-        vocab_size=sizes["vocab"],
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    from liger_dspine.drafter_training.options import add_arguments
+    from liger_dspine.drafter_training.options import resolve
+
+    config = DeepseekV3Config(**sizes["target"], max_position_embeddings=4096, tie_word_embeddings=False)
+    path = os.path.join(folder, "target_config.json")
+    with open(path, "w") as handle:
+        json.dump(config.to_dict(), handle)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    mask = str(sizes["target"]["vocab_size"] - 1)
+    argv = ["--target-config", path, "--mask-token-id", mask, "--seq-len", "4096", "--dtype", dtype, "--no-liger"]
+    return resolve(parser.parse_args(argv + sizes["drafter_args"]))
+
+
+def build_target(args, device, dtype):
+    """train-drafter's random target, its attention outputs scaled by ATTENTION_SCALE."""
+    from liger_dspine.drafter_training import setup
+
+    target = setup.build_target(args, device, dtype)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.mul_(ATTENTION_SCALE)
     return target
-
-
-def drafter_config(sizes: dict):
-    from liger_dspine.models.dspine import DSpineDraftConfig
-
-    hidden = sizes["hidden"]
-    return DSpineDraftConfig(
-        hidden_size=hidden,
-        intermediate_size=sizes["intermediate"],
-        num_hidden_layers=sizes["drafter_layers"],
-        num_attention_heads=sizes["heads"],
-        num_key_value_heads=sizes["kv_heads"],
-        head_dim=sizes["head_dim"],
-        vocab_size=sizes["vocab"],
-        max_position_embeddings=4096,
-        block_size=sizes["block"],
-        dflash_config={"mask_token_id": sizes["vocab"] - 1, "target_layer_ids": sizes["taps"]},
-        dspine_config={
-            "transfer_rank": sizes["rank"],
-            "message_size": sizes["message"],
-            "top_k": sizes["top_k"],
-            "alignment_warmup_steps": 0,
-        },
-    )
 
 
 @torch.no_grad()
@@ -152,28 +155,51 @@ def train_path(name, draft, target, batches, sequences, sizes, liger: bool, writ
 
 
 def end_to_end_lines(draft, target, prompts: torch.Tensor, new_tokens: int) -> list[str]:
-    """spec_generate on each prompt, refined and plain: acceptance length, tokens per target forward, time, and
-    whether the output is generate(do_sample=False)'s (in bf16 a verification's rounding may differ from decoding's
-    one token at a time, and an argmax with it)."""
-    lines = ["| draft | mean acceptance length | tokens / target forward | draft s | verify s | = generate |"]
-    lines.append("|---|---|---|---|---|---|")
+    """spec_generate at batch 1 on each prompt, refined and plain, against target.generate(do_sample=False): acceptance
+    length, tokens per target forward, draft and verify time, tokens/s of each, and whether the output is generate's
+    (in bf16 a verification's rounding may differ from decoding's one token at a time, and an argmax with it). One
+    prompt of each is run first as a warm-up."""
+    sync = torch.cuda.synchronize if prompts.is_cuda else (lambda: None)
+
+    def generate(row):
+        return target.generate(row[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def timed(function, row):
+        sync()
+        start = time.perf_counter()
+        result = function(row)
+        sync()
+        return result, time.perf_counter() - start
+
+    generate(prompts[0])
+    references = [timed(generate, row) for row in prompts]
+    reference_rate = sum(r.shape[1] - len(row) for (r, _), row in zip(references, prompts)) / sum(
+        s for _, s in references
+    )
+    lines = [
+        f"target.generate at batch 1: {reference_rate:.1f} tokens/s",
+        "",
+        "| draft | mean acceptance length | tokens / target forward | draft s | verify s | tokens/s | vs generate "
+        "| = generate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for refine in (True, False):
-        outputs = [draft.spec_generate(target, row[None], new_tokens, refine=refine) for row in prompts]
+
+        def speculate(row, refine=refine):
+            return draft.spec_generate(target, row[None], new_tokens, refine=refine)
+
+        speculate(prompts[0])
+        runs = [timed(speculate, row) for row in prompts]
+        outputs = [output for output, _ in runs]
         lengths = [length for output in outputs for length in output.acceptance_lengths]
         tokens = sum(output.new_tokens for output in outputs)
         forwards = sum(output.target_forwards for output in outputs)
-        same = sum(
-            torch.equal(
-                output.sequences,
-                target.generate(
-                    row[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
-                ),
-            )
-            for output, row in zip(outputs, prompts)
-        )
+        rate = tokens / sum(seconds for _, seconds in runs)
+        same = sum(torch.equal(output.sequences, r) for output, (r, _) in zip(outputs, references))
         lines.append(
             f"| {'refined' if refine else 'plain'} | {sum(lengths) / len(lengths):.3f} | {tokens / forwards:.3f} | "
-            f"{sum(o.draft_s for o in outputs):.2f} | {sum(o.verify_s for o in outputs):.2f} | {same}/{len(outputs)} |"
+            f"{sum(o.draft_s for o in outputs):.2f} | {sum(o.verify_s for o in outputs):.2f} | {rate:.1f} | "
+            f"{rate / reference_rate:.2f}x | {same}/{len(outputs)} |"
         )
     return lines
 
@@ -235,12 +261,18 @@ def run(argv=None) -> dict:
     sizes.update({k: v for k, v in (("steps", args.steps), ("eval_every", args.eval_every)) if v is not None})
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = getattr(torch, sizes["dtype"])
-    target = build_target(sizes, device, dtype)
-    config = drafter_config(sizes)
+    with tempfile.TemporaryDirectory() as folder:
+        options = train_drafter_args(sizes, folder, sizes["dtype"])
+        target = build_target(options, device, dtype)
+    from liger_dspine.drafter_training import setup
+
+    config = setup.drafter_config(options, target)
     mask = config.mask_token_id
     capture = TargetCapture(target, config.target_layer_ids)
     rows_per_step = sizes["rows_per_step"]
+    started = time.perf_counter()
     train = continuations(target, sizes["train_rows"], sizes["prompt"], sizes["continuation"], 1, mask)
+    print(f"training rows: {tuple(train.shape)} in {time.perf_counter() - started:.1f} s", flush=True)
     batches = [capture(train[i : i + rows_per_step]) for i in range(0, len(train), rows_per_step)]
     held_out = continuations(
         target, sizes["eval_rows"], sizes["prompt"], sizes["eval_anchors"] + config.block_size - 1, 2, mask
@@ -286,7 +318,8 @@ def run(argv=None) -> dict:
             f"{r['step_s'] * 1e3:.0f} |"
         )
     lines += ["", "end to end (spec_generate, greedy, the Liger-trained drafter):", ""]
-    lines += end_to_end_lines(trained["liger"], target, held_out[:, : sizes["prompt"]], sizes["eval_anchors"])
+    prompts = held_out[: sizes["generate_prompts"], : sizes["prompt"]]
+    lines += end_to_end_lines(trained["liger"], target, prompts, sizes["eval_anchors"])
     lines += ["", f"{'passed' if passed else 'FAILED'}: " + ", ".join(f"{k}: {v}" for k, v in checks.items())]
     lines += [f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, dtype {sizes['dtype']}"]
     with open(stem + ".md", "w") as handle:

@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -193,6 +193,8 @@ for step in "$@"; do
     # train-drafter: slim DeepSeek-V3 target at real widths (4 layers, taps 0-3), 2-layer drafter, embedded text, 50
     # steps; prints step time, peak memory and the capture's share; passes when the last-10 mean loss is >= 10% lower
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
+    # drafter quality, native against Liger training, and spec_generate against target.generate (4-layer V3 target)
+    bench-drafter-acceptance) BENCH_SCRIPT=benchmark/bench_drafter_acceptance.py run_bench ;;
     *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
