@@ -1,7 +1,8 @@
 """``liger-dspine train-drafter``: a DSpine drafter trained against a frozen target whose taps are captured on the fly.
 
 Run ``liger-dspine train-drafter --help`` for the arguments; ``--tiny`` is a CPU-sized run. Under ``torchrun`` it
-trains with DDP (one gradient all-reduce per accumulation window).
+trains with DDP (one gradient all-reduce per accumulation window), or shards the drafter and the frozen target
+(``--drafter-parallel``, ``--target-parallel``: :mod:`~liger_dspine.drafter_training.parallel`).
 """
 
 

@@ -2,7 +2,9 @@
 
 Each optimizer step captures the frozen target's taps for every micro-batch (timed apart from the rest), runs the
 CE-only prepasses, then one window replay: one all-reduce of (sum CE, sum D), and under DDP one gradient
-all-reduce, after the last micro-batch's backward. Logged metrics are rank 0's.
+all-reduce, after the last micro-batch's backward (under FSDP2, a reduce-scatter after each micro-batch's backward).
+The step's metrics are summed over the ranks (one small all-reduce); rank 0 logs them. ``parallel`` says how the
+drafter and the target are spread over the ranks.
 """
 
 import contextlib
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from liger_dspine.drafter_training import data
 from liger_dspine.drafter_training import offline_taps
+from liger_dspine.drafter_training import parallel
 from liger_dspine.drafter_training import reporting
 from liger_dspine.drafter_training import setup
 from liger_dspine.drafter_training import state
@@ -58,11 +61,20 @@ def drafter_step(window, capture, micro_batches, step, total_steps, sync_context
         capture_s += time.perf_counter() - start
         window.prepass(batch, global_step=step, total_steps=total_steps)
     outputs = window.replay(sync_context=sync_context)
-    numerator = sum(float(o.loss_terms[0].detach()) for o in outputs)
-    denominator = sum(float(o.loss_terms[1]) for o in outputs)
-    count = sum(float(o.accuracy_denom) for o in outputs)
-    correct = sum(float(o.accuracy.detach()) * float(o.accuracy_denom) for o in outputs)
-    covered = sum(float(o.ratio_metrics["dspine/candidate_coverage"][0]) for o in outputs)
+    sums = torch.tensor(
+        [
+            [float(o.loss_terms[0].detach()) for o in outputs],
+            [float(o.loss_terms[1]) for o in outputs],
+            [float(o.accuracy_denom) for o in outputs],
+            [float(o.accuracy.detach()) * float(o.accuracy_denom) for o in outputs],
+            [float(o.ratio_metrics["dspine/candidate_coverage"][0]) for o in outputs],
+        ],
+        dtype=torch.float64,
+        device=outputs[0].loss_terms[0].device,  # NCCL reduces device tensors
+    ).sum(dim=1)
+    if dist.is_initialized():  # the global window's metrics, as one process on the whole batch logs them
+        dist.all_reduce(sums)
+    numerator, denominator, count, correct, covered = sums.tolist()
     return {
         "loss": numerator / max(denominator, 1.0),
         "accuracy": correct / max(count, 1.0),
@@ -125,21 +137,21 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
     else:
         stream = data.RowStream(_rows(args, target, objective.mask_token_id), args.seed)
 
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.steps, args.schedule))
-    step, position = 0, 0
     resume_from = state.latest_checkpoint(args.output_dir) if args.resume else None
     if args.resume and resume_from is None:
         logger.warning("liger-dspine: no checkpoint in %s: starting afresh", args.output_dir)
     if resume_from:
-        step, position = state.load_checkpoint(resume_from, draft, optimizer, scheduler)
+        state.load_weights(resume_from, draft)
+    if getattr(args, "target_parallel", "replicate") == "tp" and capture is not offline_taps.already_captured:
+        capture = parallel.tensor_parallel_capture(capture)
+    wrapped, sync_context = parallel.wrap_drafter(objective, getattr(args, "drafter_parallel", "ddp"), device)
+    window = DSpineAccumulationWindow(wrapped, args.accumulation_steps)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.steps, args.schedule))
+    step, position = 0, 0
+    if resume_from:
+        step, position = state.load_training_state(resume_from, draft, optimizer, scheduler)
         logger.info("resumed from %s (step %d)", resume_from, step)
-
-    ddp = None
-    if dist.is_initialized():
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids, broadcast_buffers=False)
-    window = DSpineAccumulationWindow(ddp or objective, args.accumulation_steps)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows_per_step = args.accumulation_steps * world * args.batch_size
     end = min(args.steps, stop_after) if stop_after is not None else args.steps
@@ -156,7 +168,7 @@ def train_drafter(args, stop_after: int | None = None) -> list[dict]:
         for k in range(args.accumulation_steps):
             first = position + (k * world + rank) * args.batch_size
             micro_batches.append({key: v.to(device) for key, v in stream.batch(first, args.batch_size).items()})
-        metrics = drafter_step(window, capture, micro_batches, step, args.steps, ddp_sync_context(ddp), sync)
+        metrics = drafter_step(window, capture, micro_batches, step, args.steps, sync_context, sync)
         if args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(draft.parameters(), args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]

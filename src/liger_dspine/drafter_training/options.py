@@ -144,6 +144,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--liger", action=argparse.BooleanOptionalAction, default=True, help="Liger kernels and the fused objective"
     )
+    run.add_argument(
+        "--drafter-parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="under torchrun: ddp replicates the drafter; fsdp shards it with FSDP2 (fully_shard)",
+    )
+    run.add_argument(
+        "--target-parallel",
+        choices=("replicate", "fsdp", "tp"),
+        default="replicate",
+        help="under torchrun: replicate keeps the frozen target whole on every rank; fsdp shards it with FSDP2 per "
+        "decoder layer; tp loads --target with transformers' tensor-parallel plan (tp_plan='auto')",
+    )
     run.add_argument("--tiny", action="store_true", help="a CPU-sized run (tiny target and drafter)")
     run.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the anchors")
     run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), help="auto: bfloat16 on CUDA, else float32")
@@ -242,10 +255,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         except ValueError:
             fail(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}")
     from liger_dspine.drafter_training import offline_taps
+    from liger_dspine.drafter_training import parallel
     from liger_dspine.drafter_training import training_eval
 
     training_eval.check_arguments(args)
     offline_taps.check_arguments(args)
+    parallel.check_arguments(args)
     args.resolved = True
     return args
 

@@ -1,5 +1,6 @@
 """The frozen target, the drafter and its objective of a ``train-drafter`` run."""
 
+import contextlib
 import logging
 from types import SimpleNamespace
 
@@ -10,15 +11,21 @@ logger = logging.getLogger(__name__)
 
 def build_target(args, device, dtype):
     """The frozen causal LM: loaded from ``--target``, or random weights (seeded) from ``--target-config``.
-    With ``--liger`` a model type this package patches is patched (instance level)."""
+    With ``--liger`` a model type this package patches is patched (instance level). ``--target-parallel`` shards it
+    (``parallel``): a ``--target`` folder is then loaded onto the host, and each rank keeps its shards on ``device``."""
     from transformers import AutoConfig
 
     from liger_dspine.auto_model import causal_lm_class
     from liger_dspine.auto_model import causal_lm_from_config
+    from liger_dspine.drafter_training import parallel
 
-    if args.target:
+    sharding = getattr(args, "target_parallel", "replicate")
+    if sharding == "tp":
+        target = parallel.load_tensor_parallel_target(args.target, dtype)
+    elif args.target:
         config = AutoConfig.from_pretrained(args.target)
-        target = causal_lm_class(config).from_pretrained(args.target, dtype=dtype).to(device)
+        target = causal_lm_class(config).from_pretrained(args.target, dtype=dtype)
+        target = target if sharding == "fsdp" else target.to(device)
     else:
         if args.target_config == "tiny":
             from liger_dspine.demo import demo_config
@@ -36,6 +43,8 @@ def build_target(args, device, dtype):
     target = target.eval().requires_grad_(False)
     if args.liger:
         _patch_target(target)
+    if sharding == "fsdp":
+        parallel.shard_target(target, parallel.target_mesh(device))
     return target
 
 
@@ -152,14 +161,16 @@ def mask_token_id(args, config) -> int:
 def build_objective(args, target, device, dtype):
     """The drafter (seeded, its transfer space from the target's head) in its objective; patched with ``--liger``."""
     from liger_dspine import apply_liger_kernel_to_dspine
+    from liger_dspine.drafter_training import parallel
     from liger_dspine.models.dspine import DSpineDraftModel
     from liger_dspine.models.dspine import DSpineObjective
 
     config = drafter_config(args, target)
     torch.manual_seed(args.seed + 1)
     draft = DSpineDraftModel(config).to(device=device, dtype=dtype)
-    head, embed = target.get_output_embeddings(), target.get_input_embeddings()
-    objective = DSpineObjective(draft, head, embed, num_anchors=args.num_anchors).train()
+    head, embed = parallel.frozen_views(target)  # a sharded one read whole, gathered per use
+    with head.gathered() if isinstance(head, parallel.WholeWeight) else contextlib.nullcontext():
+        objective = DSpineObjective(draft, head, embed, num_anchors=args.num_anchors).train()
     if args.liger:
         apply_liger_kernel_to_dspine(model=objective)
     return objective

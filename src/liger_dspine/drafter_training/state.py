@@ -39,13 +39,14 @@ def _gather(value):
 def save_checkpoint(output_dir: str, draft, optimizer, scheduler, step: int, position: int) -> str:
     """Write ``checkpoint-STEP`` (rank 0 writes; every rank's RNG state goes in)."""
     rng_states = _gather(_rng_state())
+    weights, optimizer_state = _whole_states(draft, optimizer)
     folder = os.path.join(output_dir, f"checkpoint-{step}")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        draft.save_pretrained(folder)
+        draft.save_pretrained(folder, state_dict=weights)
         state = {
             "step": step,
             "position": position,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(),
             "rng": rng_states,
         }
@@ -70,19 +71,68 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 def load_checkpoint(folder: str, draft, optimizer, scheduler) -> tuple[int, int]:
     """Restore the drafter's weights, the optimizer, the scheduler and this rank's RNG; returns (step, position)."""
+    load_weights(folder, draft)
+    return load_training_state(folder, draft, optimizer, scheduler)
+
+
+def load_weights(folder: str, draft) -> None:
+    """The drafter's weights (whole: before any sharding)."""
     from safetensors.torch import load_file
 
     _check_same_config(folder, draft.config)
     weights = load_file(os.path.join(folder, "model.safetensors"), device=str(draft.device))
     draft.load_state_dict(weights, strict=True)
+
+
+def load_training_state(folder: str, draft, optimizer, scheduler) -> tuple[int, int]:
+    """The optimizer (sharded as the drafter is), the scheduler and this rank's RNG; returns (step, position)."""
     state = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if _is_sharded(draft):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        named = _renumbered(state["optimizer"], dict(enumerate(_parameter_names(draft))))
+        set_optimizer_state_dict(draft, optimizer, named, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     if len(state["rng"]) != (dist.get_world_size() if dist.is_initialized() else 1):
         raise ValueError(f"liger-dspine: {folder} was written by {len(state['rng'])} ranks; resume it with as many")
     _set_rng_state(state["rng"][rank])
     return state["step"], state["position"]
+
+
+def _parameter_names(draft) -> list[str]:
+    return [name for name, _ in draft.named_parameters()]
+
+
+def _is_sharded(draft) -> bool:
+    from liger_dspine.modules.parallel_state import local_tensor
+
+    return any(local_tensor(p) is not p for p in draft.parameters())
+
+
+def _renumbered(optimizer_state: dict, keys: dict) -> dict:
+    """An optimizer state dict with its parameter keys mapped through ``keys`` (index <-> name)."""
+    groups = [{**group, "params": [keys[p] for p in group["params"]]} for group in optimizer_state["param_groups"]]
+    return {"state": {keys[p]: value for p, value in optimizer_state["state"].items()}, "param_groups": groups}
+
+
+def _whole_states(draft, optimizer) -> tuple[dict | None, dict]:
+    """(weights, optimizer state) as one process has them: gathered from an FSDP2-sharded drafter onto rank 0's CPU,
+    its optimizer state keyed by parameter index as ``optimizer.state_dict()`` keys it. None: the drafter's own."""
+    if not _is_sharded(draft):
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(draft, options=options)
+    named = get_optimizer_state_dict(draft, optimizer, options=options)
+    indices = {name: index for index, name in enumerate(_parameter_names(draft))}
+    return weights, (_renumbered(named, indices) if named else {})
 
 
 # config.json entries that do not describe the drafter's computation
