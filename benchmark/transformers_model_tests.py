@@ -18,6 +18,7 @@ run's JUnit XML and log to ``<out-dir>/<model>_{native,patched}.xml|.log``.
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,8 @@ def parse_junit(path: Path, tree: Path) -> dict[str, str]:
         return {}
     outcomes = {}
     for case in ET.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):  # an interrupted run's entry for the interruption itself
+            continue
         node = "::".join(
             part for part in (*_file_and_classes(case.get("classname", ""), tree), case.get("name")) if part
         )
@@ -138,15 +141,32 @@ def run_pytest(tree: Path, model_type: str, patched: bool, out_dir: Path, plugin
         env["LIGER_DSPINE_TEST_MODEL_TYPE"] = model_type
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin_dir), env.get("PYTHONPATH")]))
     with open(out_dir / f"{model_type}_{kind}.log", "w") as log:
+        process = subprocess.Popen(
+            command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_sigint
+        )
         try:
-            done = subprocess.run(
-                command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-            returncode = done.returncode
+            returncode = process.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            log.write(f"\nliger-dspine: stopped after {args.timeout} s\n")
-            returncode = -1
+            returncode = _interrupt(process)
+            log.write(f"\nliger-dspine: interrupted after {args.timeout} s; the tests that finished are counted\n")
     return RunResult(parse_junit(junit, tree), returncode)
+
+
+def _default_sigint():
+    """A background shell starts its jobs with SIGINT ignored; pytest needs it to stop cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt(process: subprocess.Popen) -> int:
+    """Ctrl-C the pytest run, so that it still writes its JUnit XML for the tests that finished; kill it if it
+    does not stop within a minute."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return -1
 
 
 def cuda_available() -> bool:
@@ -170,7 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", help="comma-separated model types (default: every registered one with tests)")
     parser.add_argument("--out-dir", type=Path, default=Path("transformers_model_tests"))
     parser.add_argument("--pytest-args", default="", help='extra pytest arguments, e.g. "-k moe"')
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per pytest run")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per pytest run; past it, the tests that finished count"
+    )
     args = parser.parse_args(argv)
 
     tree = args.tree.resolve()

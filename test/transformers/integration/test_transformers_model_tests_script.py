@@ -139,3 +139,28 @@ def test_a_folder_without_tests_is_not_a_tree(tmp_path):
     message = f"liger-dspine: {tmp_path} is not a transformers source tree: tests/test_modeling_common.py is missing"
     with pytest.raises(SystemExit, match=re.escape(message)):
         script.main(["--tree", str(tmp_path), "--out-dir", str(tmp_path / "out")])
+
+
+SLOW_TEST = """
+import time
+
+
+def test_a_fast():
+    assert True
+
+
+def test_b_slow():
+    time.sleep(120)
+"""
+
+
+def test_a_run_past_the_timeout_counts_the_tests_that_finished(tmp_path):
+    tree = fake_tree(tmp_path / "transformers")
+    (tree / TEST_FILE).write_text(SLOW_TEST)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = script.argparse.Namespace(pytest_args="", timeout=20)
+    result = script.run_pytest(tree, "deepseek_v3", False, out, tmp_path, args)
+    assert result.returncode == -1
+    assert result.outcomes == {f"{TEST_FILE}::test_a_fast": script.PASSED}  # the interrupted test is not counted
+    assert "interrupted after 20 s" in (out / "deepseek_v3_native.log").read_text()
