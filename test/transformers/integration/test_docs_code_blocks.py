@@ -49,6 +49,8 @@ def test_every_block_is_python_or_bash_and_every_skip_says_why():
         for block in blocks(page):
             assert block["lang"] in ("python", "bash"), (page.name, block["code"][:80])
             assert block["skip"] != "", (page.name, block["code"][:80])
+            for named in re.findall(r"test_\w+\.py", block["skip"] or ""):  # the covering tests exist
+                assert list((ROOT / "test").rglob(named)), (page.name, named)
 
 
 def test_readme_links_point_at_files_that_exist():
@@ -102,9 +104,7 @@ def restored_state(tmp_path, monkeypatch):
             revert()
 
 
-# docs/multi-gpu.md's script needs several ranks: the distributed tests and benchmark/run_multi_gpu.sh --dry-run run it.
-LAUNCHED_ELSEWHERE = {"multi-gpu.md"}
-RUNNABLE = [page for page in PAGES if page.name not in LAUNCHED_ELSEWHERE and any(not b["skip"] for b in blocks(page))]
+RUNNABLE = [page for page in PAGES if any(not b["skip"] for b in blocks(page))]
 
 
 @pytest.mark.slow  # minutes on the CPU interpreter: make test-slow
