@@ -35,3 +35,14 @@ def cache_argument_name(forward) -> str:
             return name
     names = " or ".join(CACHE_ARGUMENT_NAMES)
     raise TypeError(f"liger-dspine: {forward.__qualname__} takes no cache argument ({names})")
+
+
+def attention_weights_recorded() -> bool:
+    """Whether the running forward records attention weights (``output_attentions``): transformers' output capture
+    collects them from the attention modules' outputs, under the key "attentions" of a context variable."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # versions without output capture
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected

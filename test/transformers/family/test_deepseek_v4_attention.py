@@ -145,3 +145,17 @@ def test_cuda_bf16_training_step_close_to_fp32():
     native_error, liger_error = error(losses_and_grads(native, input_ids)), error(losses_and_grads(patched, input_ids))
     assert liger_error[0] <= max(1.25 * native_error[0], 2**-7), (native_error, liger_error)
     assert liger_error[1] <= max(1.25 * native_error[1], 2**-7), (native_error, liger_error)
+
+
+def test_attention_weights_requested_run_the_native_attention(monkeypatch):
+    native, patched = build_pair()
+    calls = count_kernel_calls(monkeypatch)
+    input_ids = torch.randint(0, CASE.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = native.eval()(input_ids=input_ids, output_attentions=True)
+        actual = patched.eval()(input_ids=input_ids, output_attentions=True)
+    assert calls == []  # the kernel keeps no weights: every layer ran transformers' attention
+    assert len(actual.attentions) == len(expected.attentions) == len(CASE.decoder_of(native).layers)
+    for got, want in zip(actual.attentions, expected.attentions):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(actual.logits, expected.logits, atol=0, rtol=0)

@@ -14,7 +14,7 @@ The query heads' weightless RMSNorm and RoPE, and the inverse RoPE of the output
 The kernel path runs where the layer has no past (training, and the prefill of generation: the cache, if any, is
 updated as the native forward updates it), with the eager mask tensor (the sliding-window causal mask, read on the
 window only) and a head dim that is a power of two; elsewhere (decoding with a past, dropout, another attention
-implementation) the module runs the native forward.
+implementation, attention weights requested with ``output_attentions``) the module runs the native forward.
 """
 
 import sys
@@ -23,6 +23,7 @@ import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
 from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.transformers_compat import attention_weights_recorded
 from liger_dspine.transformers_compat import cache_argument_name
 from liger_dspine.transformers_compat import norm_epsilon
 
@@ -81,14 +82,16 @@ class LigerDeepseekV4Attention(DeepseekV4Attention):
         return self.o_b_proj(grouped), None
 
     def _liger_applies(self, hidden_states: torch.Tensor, attention_mask, cache) -> bool:
-        """No past in the cache, no attention dropout in training, the eager implementation's float mask tensor, a
-        head dim the kernel takes, and a device the Triton kernels run on."""
+        """No past in the cache, no attention dropout in training, no attention weights recorded (the kernel keeps
+        none), the eager implementation's float mask tensor, a head dim the kernel takes, and a device the Triton
+        kernels run on."""
         from liger_dspine.ops.sink_attention import _sink_attention_forward_kernel
 
         head_dim = self.head_dim
         return (
             (cache is None or cache.get_seq_length(self.layer_idx) == 0)
             and not (self.training and self.attention_dropout > 0)
+            and not attention_weights_recorded()
             and isinstance(attention_mask, torch.Tensor)
             and attention_mask.is_floating_point()
             and attention_mask.dim() == 4
