@@ -51,18 +51,22 @@ TINY_DEEPSEEK_V3 = dict(
 SIZES = {
     "gpu": dict(
         target=DEEPSEEK_V3, drafter_args=[],
-        prompt=16, continuation=240, train_rows=512, rows_per_step=8, anchors=64, eval_rows=32, eval_anchors=64,
-        generate_prompts=8, steps=300, eval_every=100, lr=1e-3, dtype="bfloat16",
+        prompt=16, continuation=240, train_rows=256, rows_per_step=8, anchors=64, eval_rows=32, eval_anchors=64,
+        generate_prompts=8, steps=300, eval_every=100, lr=1e-3, dtype="bfloat16", confined_to=1024,
     ),
     "tiny": dict(
         target=TINY_DEEPSEEK_V3,
         drafter_args=["--block-size", "4", "--top-k", "3", "--transfer-rank", "8", "--message-size", "4",
                       "--drafter-head-dim", "8", "--target-layer-ids", "0,2"],
         prompt=4, continuation=28, train_rows=8, rows_per_step=1, anchors=4, eval_rows=1, eval_anchors=6,
-        generate_prompts=1, steps=2, eval_every=2, lr=2e-2, dtype="float32",
+        generate_prompts=1, steps=2, eval_every=2, lr=2e-2, dtype="float32", confined_to=None,
     ),
 }  # fmt: skip
 ATTENTION_SCALE = 0.2
+# A random head at real widths gives nearly flat logits over the whole vocabulary (top-two margins below bf16's
+# rounding) and a map no drafter can learn from a few hundred steps; the GPU target's head reaches only the first
+# tokens (``confined_to``), with these logit margins (normalised hidden states have unit RMS).
+HEAD_LOGIT_STD = 4.0
 
 
 def train_drafter_args(sizes: dict, folder: str, dtype: str):
@@ -85,23 +89,32 @@ def train_drafter_args(sizes: dict, folder: str, dtype: str):
     return resolve(parser.parse_args(argv + sizes["drafter_args"]))
 
 
-def build_target(args, device, dtype):
-    """train-drafter's random target, its attention outputs scaled by ATTENTION_SCALE."""
+def build_target(args, device, dtype, tokens: int | None):
+    """train-drafter's random target, its attention outputs scaled by ATTENTION_SCALE. With ``tokens``, its head's rows
+    past the first ``tokens`` are zero and those are redrawn with logits of standard deviation HEAD_LOGIT_STD: its
+    greedy continuations stay among the first ``tokens`` ids, with clear margins between the top two logits."""
     from liger_dspine.drafter_training import setup
 
     target = setup.build_target(args, device, dtype)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.mul_(ATTENTION_SCALE)
+        if tokens is not None:
+            head = target.lm_head.weight
+            generator = torch.Generator(device=head.device).manual_seed(3)
+            rows = torch.randn(tokens, head.shape[1], generator=generator, device=head.device, dtype=torch.float32)
+            head.zero_()
+            head[:tokens] = (rows * HEAD_LOGIT_STD / head.shape[1] ** 0.5).to(head.dtype)
     return target
 
 
 @torch.no_grad()
-def continuations(target, rows: int, prompt: int, new_tokens: int, seed: int, mask_token_id: int):
-    """[rows, prompt + new_tokens]: greedy continuations of random prompts (the mask token never in a prompt)."""
+def continuations(target, rows: int, prompt: int, new_tokens: int, seed: int, prompt_ids: int):
+    """[rows, prompt + new_tokens]: greedy continuations of random prompts of ids below ``prompt_ids`` (the mask
+    token never in a prompt)."""
     generator = torch.Generator().manual_seed(seed)
     device = target.lm_head.weight.device
-    prompts = torch.randint(0, mask_token_id, (rows, prompt), generator=generator).to(device)
+    prompts = torch.randint(0, prompt_ids, (rows, prompt), generator=generator).to(device)
     out = []
     for start in range(0, rows, 64):
         chunk = prompts[start : start + 64]
@@ -263,19 +276,19 @@ def run(argv=None) -> dict:
     dtype = getattr(torch, sizes["dtype"])
     with tempfile.TemporaryDirectory() as folder:
         options = train_drafter_args(sizes, folder, sizes["dtype"])
-        target = build_target(options, device, dtype)
+        target = build_target(options, device, dtype, sizes["confined_to"])
     from liger_dspine.drafter_training import setup
 
     config = setup.drafter_config(options, target)
-    mask = config.mask_token_id
+    prompt_ids = sizes["confined_to"] or config.mask_token_id
     capture = TargetCapture(target, config.target_layer_ids)
     rows_per_step = sizes["rows_per_step"]
     started = time.perf_counter()
-    train = continuations(target, sizes["train_rows"], sizes["prompt"], sizes["continuation"], 1, mask)
+    train = continuations(target, sizes["train_rows"], sizes["prompt"], sizes["continuation"], 1, prompt_ids)
     print(f"training rows: {tuple(train.shape)} in {time.perf_counter() - started:.1f} s", flush=True)
     batches = [capture(train[i : i + rows_per_step]) for i in range(0, len(train), rows_per_step)]
     held_out = continuations(
-        target, sizes["eval_rows"], sizes["prompt"], sizes["eval_anchors"] + config.block_size - 1, 2, mask
+        target, sizes["eval_rows"], sizes["prompt"], sizes["eval_anchors"] + config.block_size - 1, 2, prompt_ids
     )
     sequences = [
         EvalSequence(row, sizes["prompt"], sizes["eval_anchors"], capture(row[None])["hidden_states"])
