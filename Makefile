@@ -12,6 +12,10 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 REQUIREMENTS ?= requirements/ci.txt
 STAMP := $(VENV)/.installed-$(notdir $(REQUIREMENTS))
 PYTEST_FLAGS ?= -q -p no:cacheprovider
+# Tests run in two worker processes, each test file in one of them: a process keeps about one core busy (the Triton
+# interpreter is Python), so two halve the wall time on two cores. PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 MATRIX_VERSIONS ?= 5.8.1 5.17 5.24
 
@@ -37,15 +41,15 @@ demo: $(STAMP)
 
 # The unit and parity tests but those marked `slow` (their time: README.md, "Two commands").
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" test/transformers
+	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) -m "not slow" test/transformers
 
 # The tests marked `slow`: the longest ones on the CPU interpreter.
 test-slow: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) -m slow test/transformers
+	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) -m slow test/transformers
 
 # The tests marked `matrix` (those that use transformers' model classes), in this environment.
 test-fast: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) -m matrix test/transformers
+	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) -m matrix test/transformers
 
 # The tests marked `matrix` against other transformers versions, each in its own environment (.venv-<version>).
 test-matrix:
@@ -60,7 +64,7 @@ test-gpu-stack:
 		TRITON_PIN=triton==3.6.0
 
 test-convergence: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) test/convergence
+	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) test/convergence
 
 checkstyle: $(STAMP)
 	$(PY) -m ruff check src test benchmark
