@@ -73,8 +73,11 @@ def tiny_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     torch.manual_seed(0)
     config = demo_config()
-    DeepseekV3ForCausalLM(config).save_pretrained(folder / "deepseek_v3")
-    DSpineDraftModel(dspine_demo_config(config)).save_pretrained(folder / "drafter")
+    target = DeepseekV3ForCausalLM(config)
+    target.save_pretrained(folder / "deepseek_v3")
+    draft = DSpineDraftModel(dspine_demo_config(config))
+    draft.initialize_transfer_space(target.lm_head.weight.detach())  # as training does before its first step
+    draft.save_pretrained(folder / "drafter")
     rows = torch.randint(1, config.vocab_size, (8, 40), generator=torch.Generator().manual_seed(0))
     (folder / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows.tolist()))
     return {
@@ -137,6 +140,14 @@ def _readme(namespace, out):
     assert f"loss {namespace['loss'].item():.4f}" in out.splitlines()
     assert "LigerRMSNorm" in str(namespace["report"]) and "lce_forward" in str(namespace["report"])
     assert os.path.isdir("drafter/checkpoint-1")  # the train-drafter command's last step, at a tiny size
+    out_ = namespace["out"]  # spec_generate: 32 new tokens after the prompt of 16, each verification accepting >= 1
+    assert out_.sequences.shape == (1, 48) and out_.mean_acceptance_length >= 1.0
+    assert out_.tokens_per_target_forward > 0
+    prompt = namespace["prompt"]
+    reference = namespace["target"].generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(out_.sequences, reference)
 
 
 def _dspine(namespace, out):
