@@ -8,6 +8,12 @@ import inspect
 
 from torch import nn
 
+try:  # transformers' output capture: the outputs a running forward records, keyed by name, in a context variable
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # versions without output capture
+    _active_collector = None
+
+
 # transformers 5.25 renamed DeepseekV4UnweightedRMSNorm.eps to variance_epsilon, as the weighted norms call it.
 NORM_EPSILON_NAMES = ("variance_epsilon", "eps")
 
@@ -39,10 +45,8 @@ def cache_argument_name(forward) -> str:
 
 def attention_weights_recorded() -> bool:
     """Whether the running forward records attention weights (``output_attentions``): transformers' output capture
-    collects them from the attention modules' outputs, under the key "attentions" of a context variable."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # versions without output capture
+    collects them from the attention modules' outputs, under the key "attentions"."""
+    if _active_collector is None:
         return False
     collected = _active_collector.get()
     return bool(collected) and "attentions" in collected

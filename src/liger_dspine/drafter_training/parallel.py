@@ -21,17 +21,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from liger_dspine.modules.parallel_state import is_dtensor
 from liger_dspine.modules.parallel_state import local_tensor
-
-DRAFTER_PARALLEL = ("ddp", "fsdp")
-TARGET_PARALLEL = ("replicate", "fsdp", "tp")
 
 
 def check_arguments(args) -> None:
     """A ValueError for a combination that cannot run, before anything is loaded."""
     drafter, target = getattr(args, "drafter_parallel", "ddp"), getattr(args, "target_parallel", "replicate")
-    sharded = [f"--{name} {value}" for name, value in (("drafter-parallel", drafter), ("target-parallel", target))]
-    sharded = [option for option, on in zip(sharded, (drafter == "fsdp", target != "replicate")) if on]
+    sharded = [f"--drafter-parallel {drafter}"] if drafter == "fsdp" else []
+    sharded += [f"--target-parallel {target}"] if target != "replicate" else []
     if not sharded:
         return
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -82,10 +80,6 @@ def shard_target(target, mesh) -> None:
     fully_shard(head, mesh=mesh, reshard_after_forward=True)
 
 
-def is_sharded(module: nn.Module) -> bool:
-    return local_tensor(module.weight) is not module.weight
-
-
 class WholeWeight(nn.Module):
     """A frozen target module (the head, the embedding) whose weight the objective reads whole: a sharded weight is
     gathered inside :meth:`gathered` (once, however often it is read there), or for one call of the embedding.
@@ -127,7 +121,7 @@ class WholeWeight(nn.Module):
 def frozen_views(target) -> tuple[nn.Module, nn.Module]:
     """The target's head and embedding as the objective reads them: a sharded one through :class:`WholeWeight`."""
     modules = target.get_output_embeddings(), target.get_input_embeddings()
-    return tuple(WholeWeight(m) if is_sharded(m) else m for m in modules)
+    return tuple(WholeWeight(m) if is_dtensor(m.weight) else m for m in modules)
 
 
 def gathering(objective):

@@ -108,9 +108,9 @@ def _parameter_names(draft) -> list[str]:
 
 
 def _is_sharded(draft) -> bool:
-    from liger_dspine.modules.parallel_state import local_tensor
+    from liger_dspine.modules.parallel_state import is_dtensor
 
-    return any(local_tensor(p) is not p for p in draft.parameters())
+    return any(is_dtensor(p) for p in draft.parameters())
 
 
 def _renumbered(optimizer_state: dict, keys: dict) -> dict:

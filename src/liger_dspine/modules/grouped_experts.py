@@ -10,6 +10,7 @@ from liger_dspine.modules.config_reading import unfused_activation_reason
 from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.modules.parallel_state import expert_parallel_dispatch
 from liger_dspine.modules.parallel_state import full_shape
+from liger_dspine.modules.parallel_state import is_dtensor
 from liger_dspine.modules.parallel_state import local_tensor
 from liger_dspine.modules.parallel_state import rebind_expert_forward
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
@@ -41,7 +42,7 @@ def _local_routes(index: torch.Tensor, weights: torch.Tensor, gate_up_proj: torc
     for a route to another rank's expert. Such a route is sent to expert 0 with weight 0 (it adds nothing and its
     gradients are zero), as transformers' batched experts do; the GEMM rows it costs are the price of a fixed
     shape."""
-    if not isinstance(gate_up_proj, torch.Tensor) or local_tensor(gate_up_proj) is not gate_up_proj:
+    if not isinstance(gate_up_proj, torch.Tensor) or is_dtensor(gate_up_proj):
         raise ValueError(
             "liger-dspine: LigerGroupedExperts under expert parallelism runs inside transformers' dispatch, on this "
             "rank's experts; its weights are still sharded DTensors here"

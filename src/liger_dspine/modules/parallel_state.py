@@ -115,10 +115,15 @@ def sum_partial_over(output: torch.Tensor, mesh) -> torch.Tensor:
     return partial.redistribute(mesh, [Replicate()]).to_local()
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (sharded or replicated over a device mesh)."""
+    DTensor = _dtensor_class()
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, else the tensor itself."""
-    DTensor = _dtensor_class()
-    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _expert_dispatchers(forward) -> list:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_dspine.modules.parallel_state import local_tensor
+from liger_dspine.modules.parallel_state import is_dtensor
 
 # Config fields that scale a target's logits (or its head's input) by a constant, in one direction or the other.
 SCALE_FIELDS = ("logits_scaling", "logit_scale", "lm_head_multiplier", "output_multiplier")
@@ -100,7 +100,7 @@ def probe_head_input(target: nn.Module, decoder: nn.Module) -> HeadInput:
     if not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(f"liger-dspine: DSpine needs a target with an lm_head; this {model_type} has none")
     weight = head.weight
-    if local_tensor(weight) is not weight:  # sharded (FSDP2, tensor parallelism): every rank gathers it here
+    if is_dtensor(weight):  # sharded (FSDP2, tensor parallelism): every rank gathers it here
         weight = weight.full_tensor()
     probe = (torch.arange(PROBE_TOKENS, device=weight.device) * 7 + 1) % weight.shape[0]
     kept = []
