@@ -45,13 +45,13 @@ def _sharded_runs(rank, world_size, folder, target, config):
 
     from liger_dspine.drafter_training import parallel
     from liger_dspine.drafter_training.loop import train_drafter
-    from liger_dspine.modules.parallel_state import local_tensor
+    from liger_dspine.modules.parallel_state import is_dtensor
 
     wrap, sharding = parallel.wrap_drafter, []
 
     def recording(objective, *args):  # what each run sharded: the drafter's weights, the target's head
         wrapped = wrap(objective, *args)
-        drafter = local_tensor(objective.draft_model.fc.weight) is not objective.draft_model.fc.weight
+        drafter = is_dtensor(objective.draft_model.fc.weight)
         sharding.append((drafter, isinstance(objective.lm_head, parallel.WholeWeight)))
         return wrapped
 
