@@ -5,6 +5,7 @@
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
 #         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
+#         | train-drafter-fsdp | transformers-tests
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -195,7 +196,27 @@ for step in "$@"; do
     train-drafter) BENCH_SCRIPT=benchmark/bench_train_drafter.py run_bench ;;
     # drafter quality, native against Liger training, and spec_generate against target.generate (4-layer V3 target)
     bench-drafter-acceptance) BENCH_SCRIPT=benchmark/bench_drafter_acceptance.py run_bench ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter)" ;;
+    # train-drafter's sharded paths on CUDA with NCCL, one rank: FSDP2 drafter and FSDP2 target, then a resume
+    train-drafter-fsdp)
+      rm -rf /tmp/train-drafter-fsdp
+      for extra in "--steps 4 --save-every 2" "--steps 6 --resume"; do
+        # shellcheck disable=SC2086
+        timeout -k 10 $(($(left) - 5)) $PYTHON -m torch.distributed.run --standalone --nproc-per-node 1 \
+          -m liger_dspine.cli train-drafter --tiny --drafter-parallel fsdp --target-parallel fsdp \
+          --output-dir /tmp/train-drafter-fsdp $extra 2>&1 | tee -a "$OUT/train_drafter_fsdp.log" || break
+      done ;;
+    # transformers' own model tests natively and patched (benchmark/transformers_model_tests.py), the four model
+    # types at once; TF_TREE: a transformers tree with tests/ (carry it), by default .tf-tree
+    transformers-tests)
+      # its test_pipeline_mixin.py imports the tree's src/transformers: the installed one
+      mkdir -p "${TF_TREE:-.tf-tree}/src"
+      ln -sfn "$($PYTHON -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')" \
+        "${TF_TREE:-.tf-tree}/src/transformers"
+      limit=$(left)
+      timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "${TF_TREE:-.tf-tree}" \
+        --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 4 --timeout $(((limit - 150) / 2)) \
+        --out-dir "$OUT/transformers_model_tests" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter | bench-drafter-acceptance | train-drafter-fsdp | transformers-tests)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done

@@ -85,8 +85,7 @@ def drafter_step(window, capture, micro_batches, step, total_steps, sync_context
 
 def _distributed_device():
     """(device, rank, world size); under torchrun the process group starts here (NCCL on CUDA, else gloo)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    if parallel.under_torchrun() and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -25,6 +25,11 @@ from liger_dspine.modules.parallel_state import is_dtensor
 from liger_dspine.modules.parallel_state import local_tensor
 
 
+def under_torchrun() -> bool:
+    """Launched by torchrun (any number of processes), or on several ranks: a process group can start."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def check_arguments(args) -> None:
     """A ValueError for a combination that cannot run, before anything is loaded."""
     drafter, target = getattr(args, "drafter_parallel", "ddp"), getattr(args, "target_parallel", "replicate")
@@ -32,7 +37,7 @@ def check_arguments(args) -> None:
     sharded += [f"--target-parallel {target}"] if target != "replicate" else []
     if not sharded:
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if not under_torchrun():
         raise ValueError(f"liger-dspine: {sharded[0]} shards over torchrun's processes: run it under torchrun")
     if target == "tp" and not args.target:
         raise ValueError(

@@ -166,6 +166,7 @@ def test_tensor_parallel_target_with_fsdp2_drafter_matches_one_process(runs):
 def test_a_combination_that_cannot_run_is_one_line_before_loading(capsys, monkeypatch, argv, world_size, message):
     from liger_dspine.cli import main
 
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not launched by torchrun
     if world_size is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     else:
@@ -173,3 +174,28 @@ def test_a_combination_that_cannot_run_is_one_line_before_loading(capsys, monkey
     assert main(["train-drafter", "--tiny", "--no-liger", *argv]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"liger-dspine: {message}") and "\n" not in error, error
+
+
+def test_one_torchrun_process_shards_over_itself_and_equals_a_plain_run(tmp_path):
+    """torchrun with one process: FSDP2 drafter and FSDP2 target over a one-rank group give the plain run's weights."""
+    import subprocess
+    import sys
+
+    command = ["-m", "liger_dspine.cli", "train-drafter", "--tiny", "--no-liger", "--steps", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    sharding = ["--drafter-parallel", "fsdp", "--target-parallel", "fsdp"]
+    runs = {"plain": [sys.executable, *command], "sharded": [*launch, *command, *sharding]}
+    for name, argv in runs.items():
+        done = subprocess.run([*argv, "--output-dir", str(tmp_path / name)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    weights = load_file_of(tmp_path / "sharded")
+    expected = load_file_of(tmp_path / "plain")
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def load_file_of(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "checkpoint-2", "model.safetensors"))
