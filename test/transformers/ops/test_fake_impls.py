@@ -26,6 +26,7 @@ from liger_dspine.modules import backward_guard
 from liger_dspine.modules import label_checks
 from liger_dspine.ops import alignment_cosine
 from liger_dspine.ops import candidate_scores
+from liger_dspine.ops import fp8_quantize
 from liger_dspine.ops import frozen_head_loss
 from liger_dspine.ops import frozen_head_objective
 from liger_dspine.ops import grouped_experts
@@ -300,6 +301,12 @@ def case_mhc_streams():
     return (collapsed, mhc_streams.liger_mhc_mix(streams, f, post, comb)), [streams, f, pre, post, comb]
 
 
+def case_fp8_quantize():
+    x, w, offs = randn(5, 24), randn(2, 7, 16), torch.tensor([2, 2, 5], dtype=torch.int32)
+    rows = fp8_quantize.quantize_rowwise(x)
+    return (*rows, *fp8_quantize.quantize_columns(w), *fp8_quantize.quantize_group_columns(x, offs)), []
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -337,6 +344,7 @@ CASES = {
     case_mhc_coefficients: ("mhc_projection", "mhc_projection_backward", "mhc_sinkhorn", "mhc_sinkhorn_backward"),
     case_mhc_streams: ("mhc_collapse", "mhc_collapse_backward", "mhc_mix", "mhc_mix_backward"),
     case_indexer_scores: ("indexer_scores",),
+    case_fp8_quantize: ("fp8_quantize_rows", "fp8_quantize_columns", "fp8_quantize_group_columns"),
 }
 
 

@@ -1,0 +1,355 @@
+"""Dynamic rowwise FP8 (float8_e4m3fn) quantisation, the operands of the FP8 GEMMs, in Triton.
+
+Every quantised vector v (a row, a column, or a column within one group of rows) gets one fp32 scale::
+
+    scale = max(amax(|v|), eps) / 448          448: e4m3's largest finite value; eps = 1e-12
+    q     = e4m3(clamp(v / scale, -448, 448))   v / scale in fp32, rounded to nearest-even onto e4m3
+
+so that ``q * scale`` approximates v with a relative error of at most 2^-4 (3 mantissa bits), or an absolute error
+of at most 2^-10 * scale below e4m3's normal range (|v| < 2^-6 * scale).
+
+Three layouts, one Triton kernel each, each writing the fp8 values and the scales once:
+
+- rows:          x [M, C] -> q [M, C], scale [M]; one read of x (a row at a time in registers, for C <= 16384).
+- columns:       x [..., M, C] -> q [..., C, Mp], scale [..., C]: scaled along M, written transposed (the K-major
+                 operand of a backward GEMM), with zero columns from M up to Mp = M rounded up to 16.
+- group columns: x [S, C] with group ends offs [E] -> q [C, Sp], scale [E, C]: per group of rows, scaled along
+                 its rows and written transposed, each group's block starting at a multiple of 16 (zero-padded; an
+                 empty group gets 16 zero columns, and zeros up to Sp after the last); the padded ends come back
+                 as int32 offsets [E] (``offs`` of a 2-D x 2-D grouped GEMM along K, whose TMA loads need 16-byte
+                 aligned group starts).
+
+The column kernels read their input twice (the amax, then the values), a block of columns at a time; the second
+read of a block mostly comes from L2.
+
+Rounding is done in the kernel, on fp32 bits, before the (then exact) cast to e4m3: Triton's CPU interpreter rounds
+fp32 -> e4m3 wrongly (ties away from zero, and a lost carry into the exponent near powers of two). The results are
+bit-identical to :func:`quantize_rowwise_reference` (torch's own cast) on GPUs and under the interpreter. On a CPU
+without the interpreter, and for bf16 on a CPU (which the interpreter cannot compute), the ops run the torch
+reference.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_dspine._interpreter import is_interpreted
+from liger_dspine._interpreter import kernel_runs_on
+from liger_dspine.ops.eager_dispatch import liger_custom_op
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+EPS = 1e-12
+ALIGN = 16  # rows per padded block: 16 bytes of fp8
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_ROW_BLOCK = 16384  # one register-resident pass per row up to this width
+_COLUMN_BLOCK = 64
+_ROW_STEP = 64
+
+
+@triton.jit
+def _to_e4m3(y):
+    """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3's grid and cast (exactly) to e4m3."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range: keep 3 of the 23 mantissa bits, ties to even (a carry moves into the exponent)
+    normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+    subnormal = (a + 16384.0) - 16384.0  # multiples of 2^-9: the ulp of fp32 at 2^14
+    r = tl.where(a < 0.015625, subnormal, normal)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r).to(tl.float8e4nv)
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit
+def _quantized(x, scale):
+    return _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, cols, x_stride, q_stride, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    q_row = q_ptr + row * q_stride
+    offsets = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = offsets < cols
+        x = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.max(tl.abs(x), axis=0))
+        tl.store(q_row + offsets, _quantized(x, scale), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            mask = start + offsets < cols
+            x = tl.load(x_row + start + offsets, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = _scale_of(tl.max(amax, axis=0))
+        for start in range(0, cols, BLOCK):
+            mask = start + offsets < cols
+            x = tl.load(x_row + start + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + start + offsets, _quantized(x, scale), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _quantize_columns_kernel(
+    x_ptr,  # [B, M, C]
+    q_ptr,  # [B, C, Mp] out
+    scale_ptr,  # [B, C] out
+    rows,
+    padded_rows,
+    cols,
+    x_batch_stride,
+    x_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    batch = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < cols
+    x_base = x_ptr + batch * x_batch_stride
+    m = tl.arange(0, BLOCK_M)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, rows, BLOCK_M):
+        r = (start + m).to(tl.int64)
+        mask = (r < rows)[:, None] & c_mask[None, :]
+        x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    scale = _scale_of(amax)
+    tl.store(scale_ptr + batch * cols + c, scale, mask=c_mask)
+    q_base = q_ptr + batch * cols * padded_rows
+    for start in range(0, padded_rows, BLOCK_M):
+        r = (start + m).to(tl.int64)
+        mask = (r < rows)[:, None] & c_mask[None, :]
+        x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        out_mask = (r < padded_rows)[:, None] & c_mask[None, :]
+        tl.store(
+            q_base + c[None, :].to(tl.int64) * padded_rows + r[:, None], _quantized(x, scale[None, :]), mask=out_mask
+        )
+
+
+@triton.jit
+def _quantize_group_columns_kernel(
+    x_ptr,  # [S, C]
+    offs_ptr,  # [E] int32 group ends
+    padded_offs_ptr,  # [E] int32 padded group ends
+    q_ptr,  # [C, Sp] out
+    scale_ptr,  # [E, C] out
+    groups,
+    padded_rows,
+    cols,
+    x_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    group = tl.program_id(1)
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < cols
+    start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(offs_ptr + group)
+    padded_start = tl.load(padded_offs_ptr + group - 1, mask=group > 0, other=0)
+    padded_count = tl.load(padded_offs_ptr + group) - padded_start
+    # the last group also zeroes the columns up to Sp (never read by a GEMM, but defined)
+    written = tl.where(group == groups - 1, padded_rows - padded_start, padded_count)
+    m = tl.arange(0, BLOCK_M)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for step in range(0, end - start, BLOCK_M):
+        r = (start + step + m).to(tl.int64)
+        mask = (r < end)[:, None] & c_mask[None, :]
+        x = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    scale = _scale_of(amax)
+    tl.store(scale_ptr + group.to(tl.int64) * cols + c, scale, mask=c_mask)
+    for step in range(0, written, BLOCK_M):
+        r = (start + step + m).to(tl.int64)
+        mask = (r < end)[:, None] & c_mask[None, :]
+        x = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        out = (padded_start + step + m).to(tl.int64)
+        out_mask = (step + m < written)[:, None] & c_mask[None, :]
+        tl.store(
+            q_ptr + c[None, :].to(tl.int64) * padded_rows + out[:, None], _quantized(x, scale[None, :]), mask=out_mask
+        )
+
+
+_INTERPRETED = is_interpreted(_quantize_rows_kernel)  # the kernels above, decorated under Triton's CPU interpreter
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    """The Triton kernels on CUDA, and on a CPU under the interpreter for fp16 / fp32; else the torch reference."""
+    return kernel_runs_on(x, _quantize_rows_kernel) and (x.is_cuda or x.dtype != torch.bfloat16)
+
+
+def _check(x: torch.Tensor, dims: tuple[int, ...], what: str) -> None:
+    if x.dtype not in _DTYPES or x.dim() not in dims:
+        raise ValueError(
+            f"liger-dspine: {what} needs a {' or '.join(f'{d}-D' for d in dims)} fp16/bf16/fp32 tensor, got "
+            f"{x.dtype} {tuple(x.shape)}"
+        )
+
+
+def _padded(rows: int) -> int:
+    return -(-rows // ALIGN) * ALIGN
+
+
+# ---- torch references (bit-identical to the kernels) ----
+
+
+def quantize_rowwise_reference(x: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (q [..., C] float8_e4m3fn, scale [...] fp32), each row scaled by its amax / 448."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
+    scale = amax.clamp(min=eps) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_columns_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., M, C] -> (q [..., C, Mp] float8_e4m3fn, scale [..., C] fp32), as :func:`quantize_columns`."""
+    q, scale = quantize_rowwise_reference(x.transpose(-2, -1))
+    rows = x.shape[-2]
+    out = torch.zeros(*q.shape[:-1], _padded(rows), dtype=FP8_DTYPE, device=x.device)
+    out[..., :rows] = q
+    return out, scale
+
+
+def padded_group_offsets(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    """(padded group ends [E] int32, Sp) for groups ending at ``offs`` [E] among ``rows`` rows: each group's count
+    rounded up to a multiple of 16 (16 for an empty group); Sp = rows rounded up to 16, plus 16 per group, bounds
+    the padded total without a host read."""
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
+    padded = ((counts + ALIGN - 1) // ALIGN).clamp(min=1) * ALIGN
+    total = _padded(rows) + ALIGN * offs.shape[0]
+    return torch.cumsum(padded, 0).to(torch.int32), total
+
+
+def quantize_group_columns_reference(
+    x: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [S, C], group ends offs [E] -> (q [C, Sp], scale [E, C], padded ends [E] int32), as
+    :func:`quantize_group_columns` (a per-group loop; reads the offsets on the host)."""
+    padded_ends, total = padded_group_offsets(offs, x.shape[0])
+    q = torch.zeros(x.shape[1], total, dtype=FP8_DTYPE, device=x.device)
+    scales = []
+    ends, padded = offs.tolist(), padded_ends.tolist()
+    for group, (end, padded_end) in enumerate(zip(ends, padded)):
+        start = ends[group - 1] if group else 0
+        padded_start = padded[group - 1] if group else 0
+        q_group, scale = quantize_rowwise_reference(x[start:end].t())
+        q[:, padded_start : padded_start + end - start] = q_group
+        scales.append(scale)
+    scale = torch.stack(scales) if scales else x.new_zeros(0, x.shape[1], dtype=torch.float32)
+    return q, scale, padded_ends
+
+
+# ---- custom ops ----
+
+
+@liger_custom_op("liger_dspine::fp8_quantize_rows", mutates_args=())
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_kernel(x):
+        return quantize_rowwise_reference(x)
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(max(cols, 1)), _MAX_ROW_BLOCK)
+        _quantize_rows_kernel[(rows,)](
+            x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=cols <= block,
+            num_warps=8 if block >= 2048 else 4,
+        )  # fmt: skip
+    return q, scale
+
+
+@_quantize_rows.register_fake
+def _(x):
+    return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@liger_custom_op("liger_dspine::fp8_quantize_columns", mutates_args=())
+def _quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_kernel(x):
+        return quantize_columns_reference(x)
+    batch_shape, (rows, cols) = x.shape[:-2], x.shape[-2:]
+    batches = math.prod(batch_shape)
+    x3 = x.reshape(batches, rows, cols)
+    q = torch.empty(batches, cols, _padded(rows), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(batches, cols, dtype=torch.float32, device=x.device)
+    if batches and cols:
+        grid = (triton.cdiv(cols, _COLUMN_BLOCK), batches)
+        _quantize_columns_kernel[grid](
+            x3, q, scale, rows, q.shape[-1], cols, x3.stride(0), x3.stride(1), BLOCK_M=_ROW_STEP,
+            BLOCK_C=_COLUMN_BLOCK,
+        )  # fmt: skip
+    return q.view(*batch_shape, cols, q.shape[-1]), scale.view(*batch_shape, cols)
+
+
+@_quantize_columns.register_fake
+def _(x):
+    *batch, rows, cols = x.shape
+    q = torch.empty(*batch, cols, _padded(rows), dtype=FP8_DTYPE, device=x.device)
+    return q, x.new_empty(*batch, cols, dtype=torch.float32)
+
+
+@liger_custom_op("liger_dspine::fp8_quantize_group_columns", mutates_args=())
+def _quantize_group_columns(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _use_kernel(x):
+        return quantize_group_columns_reference(x, offs)
+    rows, cols = x.shape
+    groups = offs.shape[0]
+    padded_ends, total = padded_group_offsets(offs, rows)
+    q = torch.empty(cols, total, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(groups, cols, dtype=torch.float32, device=x.device)
+    if groups and cols:
+        grid = (triton.cdiv(cols, _COLUMN_BLOCK), groups)
+        _quantize_group_columns_kernel[grid](
+            x, offs, padded_ends, q, scale, groups, total, cols, x.stride(0), BLOCK_M=_ROW_STEP,
+            BLOCK_C=_COLUMN_BLOCK,
+        )  # fmt: skip
+    return q, scale, padded_ends
+
+
+@_quantize_group_columns.register_fake
+def _(x, offs):
+    total = _padded(x.shape[0]) + ALIGN * offs.shape[0]
+    q = torch.empty(x.shape[1], total, dtype=FP8_DTYPE, device=x.device)
+    scale = x.new_empty(offs.shape[0], x.shape[1], dtype=torch.float32)
+    return q, scale, offs.new_empty(offs.shape[0], dtype=torch.int32)
+
+
+# ---- checked entry points ----
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] fp16/bf16/fp32 -> (q [M, C] float8_e4m3fn, scale [M] fp32), scaled along the last dim."""
+    _check(x, (2,), "FP8 rowwise quantisation")
+    return _quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] or [B, M, C] -> (q [(B,) C, Mp] float8_e4m3fn, scale [(B,) C] fp32): scaled along M, written
+    transposed (row c of q holds column c of x), zero from M to Mp = M rounded up to 16."""
+    _check(x, (2, 3), "FP8 column quantisation")
+    return _quantize_columns(x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous())
+
+
+def quantize_group_columns(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [S, C], offs [E] int32 cumulative group ends -> (q [C, Sp] float8_e4m3fn, scale [E, C] fp32, padded ends
+    [E] int32): each group's rows scaled along the rows, written transposed at 16-aligned padded offsets."""
+    _check(x, (2,), "FP8 group column quantisation")
+    if offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(
+            f"liger-dspine: group offsets must be a 1-D int32 tensor, got {offs.dtype} {tuple(offs.shape)}"
+        )
+    return _quantize_group_columns(x if x.stride(-1) == 1 else x.contiguous(), offs.contiguous())
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * scale in fp32, scale broadcast along q's last dim (rowwise)."""
+    return q.float() * scale[..., None]
