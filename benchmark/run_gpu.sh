@@ -213,9 +213,11 @@ for step in "$@"; do
       ln -sfn "$($PYTHON -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')" \
         "${TF_TREE:-.tf-tree}/src/transformers"
       limit=$(left)
-      timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "${TF_TREE:-.tf-tree}" \
+      # USE_HUB_KERNELS=NO: no hub kernels (no network here), for the native and the patched run alike
+      USE_HUB_KERNELS=NO timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "${TF_TREE:-.tf-tree}" \
         --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 4 --timeout $(((limit - 150) / 2)) \
-        --out-dir "$OUT/transformers_model_tests" ;;
+        --out-dir "$OUT/transformers_model_tests"
+      tar -C "$OUT" -czf "$OUT/transformers_model_tests.tar.gz" transformers_model_tests && rm -r "$OUT/transformers_model_tests" ;;
     *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter | bench-drafter-acceptance | train-drafter-fsdp | transformers-tests)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
