@@ -26,6 +26,7 @@ from liger_dspine.modules import backward_guard
 from liger_dspine.modules import label_checks
 from liger_dspine.ops import alignment_cosine
 from liger_dspine.ops import candidate_scores
+from liger_dspine.ops import fp8_linear
 from liger_dspine.ops import fp8_quantize
 from liger_dspine.ops import frozen_head_loss
 from liger_dspine.ops import frozen_head_objective
@@ -307,6 +308,11 @@ def case_fp8_quantize():
     return (*rows, *fp8_quantize.quantize_columns(w), *fp8_quantize.quantize_group_columns(x, offs)), []
 
 
+def case_fp8_linear():
+    x, weight = randn(5, 32, grad=True), randn(16, 32, grad=True)
+    return fp8_linear.LigerFP8LinearFunction.apply(x, weight), [x, weight]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -345,6 +351,7 @@ CASES = {
     case_mhc_streams: ("mhc_collapse", "mhc_collapse_backward", "mhc_mix", "mhc_mix_backward"),
     case_indexer_scores: ("indexer_scores",),
     case_fp8_quantize: ("fp8_quantize_rows", "fp8_quantize_columns", "fp8_quantize_group_columns"),
+    case_fp8_linear: ("fp8_quantize_rows", "fp8_quantize_columns", "fp8_scaled_mm"),
 }
 
 
