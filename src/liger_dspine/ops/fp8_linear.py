@@ -58,16 +58,21 @@ def reference_scaled_mm(a, scale_a, b, scale_b, out_dtype):
     return out.mul_(scale_a[:, None]).mul_(scale_b[None, :]).to(out_dtype)
 
 
+def cuda_scaled_mm(a, scale_a, b, scale_b, out_dtype):
+    """a [M, K'] fp8 row-major, b [N', K'] fp8 row-major (its transpose is the column-major mat_b) -> a @ b.T."""
+    return torch._scaled_mm(
+        a, b.t(), scale_a=scale_a.unsqueeze(1), scale_b=scale_b.unsqueeze(0), out_dtype=out_dtype, use_fast_accum=False
+    )
+
+
 @liger_custom_op("liger_dspine::fp8_scaled_mm", mutates_args=())
 def _scaled_mm(
     a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """a [M, K'] fp8 row-major, b [N', K'] fp8 row-major (its transpose is the column-major mat_b) -> a @ b.T."""
-    if not a.is_cuda:
-        return reference_scaled_mm(a, scale_a, b, scale_b, out_dtype)
-    return torch._scaled_mm(
-        a, b.t(), scale_a=scale_a[:, None], scale_b=scale_b[None, :], out_dtype=out_dtype, use_fast_accum=False
-    )
+    """a [M, K'] fp8 with scale_a [M], b [N', K'] fp8 with scale_b [N'] -> a @ b.T [M, N']."""
+    if a.is_cuda:
+        return cuda_scaled_mm(a, scale_a, b, scale_b, out_dtype)
+    return reference_scaled_mm(a, scale_a, b, scale_b, out_dtype)
 
 
 @_scaled_mm.register_fake

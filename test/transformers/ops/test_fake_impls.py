@@ -26,6 +26,7 @@ from liger_dspine.modules import backward_guard
 from liger_dspine.modules import label_checks
 from liger_dspine.ops import alignment_cosine
 from liger_dspine.ops import candidate_scores
+from liger_dspine.ops import fp8_grouped_mm
 from liger_dspine.ops import fp8_linear
 from liger_dspine.ops import fp8_quantize
 from liger_dspine.ops import frozen_head_loss
@@ -313,6 +314,11 @@ def case_fp8_linear():
     return fp8_linear.LigerFP8LinearFunction.apply(x, weight), [x, weight]
 
 
+def case_fp8_grouped_mm():
+    x, weight, offs = randn(5, 16, grad=True), randn(3, 32, 16, grad=True), torch.tensor([2, 2, 5], dtype=torch.int32)
+    return fp8_grouped_mm.LigerFP8GroupedMMFunction.apply(x, weight, offs), [x, weight]
+
+
 CASES = {
     case_rope: ("rope_rotate",),
     case_mla_query_in_place: ("rope_rotate", "rope_unrotate_"),
@@ -352,6 +358,13 @@ CASES = {
     case_indexer_scores: ("indexer_scores",),
     case_fp8_quantize: ("fp8_quantize_rows", "fp8_quantize_columns", "fp8_quantize_group_columns"),
     case_fp8_linear: ("fp8_quantize_rows", "fp8_quantize_columns", "fp8_scaled_mm"),
+    case_fp8_grouped_mm: (
+        "fp8_quantize_rows",
+        "fp8_quantize_columns",
+        "fp8_quantize_group_columns",
+        "fp8_grouped_mm",
+        "fp8_grouped_mm_weight_grad",
+    ),
 }
 
 
