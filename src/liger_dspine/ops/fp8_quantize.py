@@ -10,7 +10,7 @@ of at most 2^-10 * scale below e4m3's normal range (|v| < 2^-6 * scale).
 
 Three layouts, one Triton kernel each, each writing the fp8 values and the scales once:
 
-- rows:          x [M, C] -> q [M, C], scale [M]; one read of x (a row at a time in registers, for C <= 16384).
+- rows:          x [M, C] -> q [M, C], scale [M]; one read of x (a row at a time in registers, for C <= 8192).
 - columns:       x [..., M, C] -> q [..., C, Mp], scale [..., C]: scaled along M, written transposed (the K-major
                  operand of a backward GEMM), with zero columns from M up to Mp = M rounded up to 16.
 - group columns: x [S, C] with group ends offs [E] -> q [C, Sp], scale [E, C]: per group of rows, scaled along
@@ -19,8 +19,9 @@ Three layouts, one Triton kernel each, each writing the fp8 values and the scale
                  as int32 offsets [E] (``offs`` of a 2-D x 2-D grouped GEMM along K, whose TMA loads need 16-byte
                  aligned group starts).
 
-The column kernels read their input twice (the amax, then the values), a block of columns at a time; the second
-read of a block mostly comes from L2.
+The column kernels read their input twice: the amax (per block of 256 rows x 64 columns, merged with integer
+atomic maxima on the fp32 bits, which order like the values as they are non-negative; deterministic), then the
+values. The group-column kernel runs one program per (64 columns, group) over the group's rows.
 
 Rounding is done in the kernel, on fp32 bits, before the (then exact) cast to e4m3: Triton's CPU interpreter rounds
 fp32 -> e4m3 wrongly (ties away from zero, and a lost carry into the exponent near powers of two). The results are
@@ -44,9 +45,10 @@ FP8_MAX = 448.0
 EPS = 1e-12
 ALIGN = 16  # rows per padded block: 16 bytes of fp8
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_ROW_BLOCK = 16384  # one register-resident pass per row up to this width
+_MAX_ROW_BLOCK = 8192  # one register-resident pass per row up to this width
 _COLUMN_BLOCK = 64
 _ROW_STEP = 64
+_ROWS_PER_PROGRAM = 256  # column kernels: rows of one program (a [256, 64] block), in steps of _ROW_STEP
 
 
 @triton.jit
@@ -99,8 +101,36 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
+def _column_amax_kernel(
+    x_ptr,  # [B, M, C]
+    amax_ptr,  # [B, C] int32 (fp32 bits of non-negative values, ordered as integers), zeros in
+    rows,
+    cols,
+    x_batch_stride,
+    x_stride,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    batch = tl.program_id(2).to(tl.int64)
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < cols
+    x_base = x_ptr + batch * x_batch_stride
+    first = tl.program_id(1).to(tl.int64) * ROWS_PER_PROGRAM
+    m = tl.arange(0, BLOCK_M)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for step in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        r = first + step + m
+        mask = (r < rows)[:, None] & c_mask[None, :]
+        x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    tl.atomic_max(amax_ptr + batch * cols + c, amax.to(tl.int32, bitcast=True), mask=c_mask)
+
+
+@triton.jit
 def _quantize_columns_kernel(
     x_ptr,  # [B, M, C]
+    amax_ptr,  # [B, C] int32 fp32 bits, from _column_amax_kernel
     q_ptr,  # [B, C, Mp] out
     scale_ptr,  # [B, C] out
     rows,
@@ -108,31 +138,28 @@ def _quantize_columns_kernel(
     cols,
     x_batch_stride,
     x_stride,
+    ROWS_PER_PROGRAM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    batch = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < cols
-    x_base = x_ptr + batch * x_batch_stride
-    m = tl.arange(0, BLOCK_M)
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for start in range(0, rows, BLOCK_M):
-        r = (start + m).to(tl.int64)
-        mask = (r < rows)[:, None] & c_mask[None, :]
-        x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    amax = tl.load(amax_ptr + batch * cols + c, mask=c_mask, other=0).to(tl.float32, bitcast=True)
     scale = _scale_of(amax)
-    tl.store(scale_ptr + batch * cols + c, scale, mask=c_mask)
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + batch * cols + c, scale, mask=c_mask)
+    x_base = x_ptr + batch * x_batch_stride
     q_base = q_ptr + batch * cols * padded_rows
-    for start in range(0, padded_rows, BLOCK_M):
-        r = (start + m).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * ROWS_PER_PROGRAM
+    m = tl.arange(0, BLOCK_M)
+    for step in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+        r = first + step + m
         mask = (r < rows)[:, None] & c_mask[None, :]
         x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
         out_mask = (r < padded_rows)[:, None] & c_mask[None, :]
-        tl.store(
-            q_base + c[None, :].to(tl.int64) * padded_rows + r[:, None], _quantized(x, scale[None, :]), mask=out_mask
-        )
+        q = _quantized(x, scale[None, :])
+        tl.store(q_base + c[None, :].to(tl.int64) * padded_rows + r[:, None], q, mask=out_mask)
 
 
 @triton.jit
@@ -279,14 +306,17 @@ def _quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch_shape, (rows, cols) = x.shape[:-2], x.shape[-2:]
     batches = math.prod(batch_shape)
     x3 = x.reshape(batches, rows, cols)
-    q = torch.empty(batches, cols, _padded(rows), dtype=FP8_DTYPE, device=x.device)
+    padded_rows = _padded(rows)
+    q = torch.empty(batches, cols, padded_rows, dtype=FP8_DTYPE, device=x.device)
+    # zeros: the amax of no rows is 0 (scale eps / 448)
+    amax = torch.zeros(batches, cols, dtype=torch.int32, device=x.device)
     scale = torch.empty(batches, cols, dtype=torch.float32, device=x.device)
     if batches and cols:
-        grid = (triton.cdiv(cols, _COLUMN_BLOCK), batches)
-        _quantize_columns_kernel[grid](
-            x3, q, scale, rows, q.shape[-1], cols, x3.stride(0), x3.stride(1), BLOCK_M=_ROW_STEP,
-            BLOCK_C=_COLUMN_BLOCK,
-        )  # fmt: skip
+        blocks = (triton.cdiv(cols, _COLUMN_BLOCK), triton.cdiv(max(padded_rows, 1), _ROWS_PER_PROGRAM), batches)
+        options = dict(ROWS_PER_PROGRAM=_ROWS_PER_PROGRAM, BLOCK_M=_ROW_STEP, BLOCK_C=_COLUMN_BLOCK, num_warps=8)
+        strides = (x3.stride(0), x3.stride(1))
+        _column_amax_kernel[blocks](x3, amax, rows, cols, *strides, **options)
+        _quantize_columns_kernel[blocks](x3, amax, q, scale, rows, padded_rows, cols, *strides, **options)
     return q.view(*batch_shape, cols, q.shape[-1]), scale.view(*batch_shape, cols)
 
 
@@ -310,7 +340,7 @@ def _quantize_group_columns(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.
         grid = (triton.cdiv(cols, _COLUMN_BLOCK), groups)
         _quantize_group_columns_kernel[grid](
             x, offs, padded_ends, q, scale, groups, total, cols, x.stride(0), BLOCK_M=_ROW_STEP,
-            BLOCK_C=_COLUMN_BLOCK,
+            BLOCK_C=_COLUMN_BLOCK, num_warps=8,
         )  # fmt: skip
     return q, scale, padded_ends
 

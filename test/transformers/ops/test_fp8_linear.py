@@ -69,6 +69,20 @@ def assert_fp8_gemm(out, a, b, qa, sa, qb, sb):
     return exact
 
 
+def assert_fp8_gemm_on_gpu(out, a, b, qa, sa, qb, sb):
+    """:func:`assert_fp8_gemm` for torch's FP8 GEMMs (bf16 out). Hopper's FP8 tensor cores add with about 14
+    mantissa bits within a k-chunk (DeepSeek-V3's report), and with use_fast_accum=False the partial sums are
+    promoted to fp32 between chunks: allow 2^-10 of sum |a^ b^| for that (16 times 2^-14), on top of half a bf16
+    ulp (2^-8 relative) for the output."""
+    ref, abs_ref = dequantised_product(qa, sa, qb, sb)
+    bound = 2.0**-8 * ref.abs() + 2.0**-10 * abs_ref
+    assert ((out.double() - ref).abs() <= bound).all()
+    e_a, e_b = quantisation_error(a), quantisation_error(b)
+    exact = a.double() @ b.double().t()
+    fp8 = e_a @ b.double().abs().t() + a.double().abs() @ e_b.t() + e_a @ e_b.t()
+    assert ((out.double() - exact).abs() <= fp8 + bound + 2.0**-8 * fp8).all()
+
+
 def run_linear(x, weight, grad, need_x=True, need_weight=True):
     x = x.clone().requires_grad_(need_x)
     weight = weight.clone().requires_grad_(need_weight)
@@ -157,9 +171,7 @@ def test_second_order_is_refused():
 
 @pytest.mark.cuda
 def test_scaled_mm_matches_the_reference_on_cuda():
-    """torch._scaled_mm (bf16 out) against the dequantised fp64 product and the exact one, at DeepSeek-V3 widths.
-    _scaled_mm accumulates in fp32 with a promotion every few k-blocks (use_fast_accum=False): allow 2^-12 of
-    sum |a^ b^| for that, above the bf16 output rounding."""
+    """torch._scaled_mm (bf16 out) against the dequantised fp64 product and the exact one, at DeepSeek-V3 widths."""
     torch.manual_seed(0)
     tokens, hidden, out_features = 4096, 7168, 2048
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
@@ -167,15 +179,7 @@ def test_scaled_mm_matches_the_reference_on_cuda():
     grad = (torch.randn(tokens, out_features, device="cuda") * 1e-3).bfloat16()
     out, grad_x, grad_weight = run_linear(x, weight, grad)
 
-    def check(out, a, b, qa, sa, qb, sb):
-        ref, abs_ref = dequantised_product(qa, sa, qb, sb)
-        bound = 2.0**-8 * ref.abs() + 2.0**-12 * abs_ref
-        assert ((out.double() - ref).abs() <= bound).all()
-        e_a, e_b = quantisation_error(a), quantisation_error(b)
-        exact = a.double() @ b.double().t()
-        fp8 = e_a @ b.double().abs().t() + a.double().abs() @ e_b.t() + e_a @ e_b.t()
-        assert ((out.double() - exact).abs() <= fp8 + bound + 2.0**-8 * fp8).all()
-
+    check = assert_fp8_gemm_on_gpu
     check(out, x, weight, *quantize_rowwise_reference(x), *quantize_rowwise_reference(weight))
     check(grad_x, grad, weight.t(), *quantize_rowwise_reference(grad), *quantize_columns_reference(weight))
     qgt, sgt = quantize_columns_reference(grad)

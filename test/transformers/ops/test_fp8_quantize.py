@@ -84,7 +84,7 @@ def test_rows_match_float64_rounding(dtype, rows, cols):
 
 
 def test_rows_wider_than_one_block():
-    x = spread(2, 16400, torch.float32, seed=3)  # two passes over the row
+    x = spread(2, 8200, torch.float32, seed=3)  # two passes over the row
     q, scale = quantize_rowwise(x)
     want_codes, want_scale = expected_rows(x)
     assert torch.equal(scale, want_scale) and torch.equal(codes(q), want_codes)
@@ -100,7 +100,7 @@ def test_rows_round_trip_error_is_within_e4m3():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(37, 20), (16, 3), (3, 40, 24), (0, 8)])
+@pytest.mark.parametrize("shape", [(37, 20), (16, 3), (3, 40, 24), (0, 8), (300, 70)])  # 300: two row blocks
 def test_columns_are_transposed_rows_with_zero_padding(dtype, shape):
     x = spread(shape[-2] * (shape[0] if len(shape) == 3 else 1), shape[-1], dtype, seed=sum(shape)).view(shape)
     q, scale = quantize_columns(x)
