@@ -8,7 +8,7 @@ Every quantised vector v (a row, a column, or a column within one group of rows)
 so that ``q * scale`` approximates v with a relative error of at most 2^-4 (3 mantissa bits), or an absolute error
 of at most 2^-10 * scale below e4m3's normal range (|v| < 2^-6 * scale).
 
-Three layouts, one Triton kernel each, each writing the fp8 values and the scales once:
+Three layouts, each writing the fp8 values and the scales once:
 
 - rows:          x [M, C] -> q [M, C], scale [M]; one read of x (a row at a time in registers, for C <= 8192).
 - columns:       x [..., M, C] -> q [..., C, Mp], scale [..., C]: scaled along M, written transposed (the K-major
@@ -19,15 +19,16 @@ Three layouts, one Triton kernel each, each writing the fp8 values and the scale
                  as int32 offsets [E] (``offs`` of a 2-D x 2-D grouped GEMM along K, whose TMA loads need 16-byte
                  aligned group starts).
 
-The column kernels read their input twice: the amax (per block of 256 rows x 64 columns, merged with integer
-atomic maxima on the fp32 bits, which order like the values as they are non-negative; deterministic), then the
-values. The group-column kernel runs one program per (64 columns, group) over the group's rows.
+The column quantiser is two launches and reads its input twice: the amax (per block of 256 rows x 64 columns,
+merged with integer atomic maxima on the fp32 bits, which order like the values as they are non-negative; so it is
+deterministic), then the values. The group-column kernel runs one program per (64 columns, group) over the group's
+rows, reading them twice likewise.
 
 Rounding is done in the kernel, on fp32 bits, before the (then exact) cast to e4m3: Triton's CPU interpreter rounds
 fp32 -> e4m3 wrongly (ties away from zero, and a lost carry into the exponent near powers of two). The results are
-bit-identical to :func:`quantize_rowwise_reference` (torch's own cast) on GPUs and under the interpreter. On a CPU
-without the interpreter, and for bf16 on a CPU (which the interpreter cannot compute), the ops run the torch
-reference.
+bit-identical to :func:`quantize_rowwise_reference` (torch's own cast) under the interpreter, and on GPUs (the CUDA
+test of test_fp8_quantize.py checks it at DeepSeek-V3 widths). On a CPU without the interpreter, and for bf16 on a
+CPU (which the interpreter cannot compute), the ops run the torch reference.
 """
 
 import math
