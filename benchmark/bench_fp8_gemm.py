@@ -1,0 +1,190 @@
+"""The GEMMs of one DeepSeek-V3 layer in bf16 against the FP8 rowwise ops, forward + backward, on the GPU.
+
+The first measurement behind FP8 training: for each GEMM of a DeepSeek-V3 layer at 4096 tokens (the MLA
+projections, the dense MLP, the shared expert and the routed experts' grouped GEMMs at 256 experts top-8, routed
+evenly), the time of the bf16 GEMM (``F.linear`` / ``torch._grouped_mm`` with autograd) and of ``fp8_linear`` /
+``fp8_grouped_mm`` (quantisation of both operands included), forward and backward. The FLOP-weighted sum says how
+much of the step's GEMM time FP8 takes off; its error against an fp32 product says what it costs in accuracy.
+
+    python benchmark/bench_fp8_gemm.py            # a GPU with FP8 (sm 8.9+)
+    python benchmark/bench_fp8_gemm.py --tiny     # CPU check of the script: tiny shapes, the reference path
+
+Writes data/fp8_gemm{,_tiny}.{csv,md} (and .png with matplotlib).
+"""
+
+import argparse
+import csv
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # --tiny: Triton's CPU interpreter, switched on before any kernel module
+    os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
+from liger_dspine.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: E402
+from liger_dspine.ops.fp8_linear import fp8_linear  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIELDS = ["gemm", "tokens", "out", "in", "groups", "impl", "fwd_bwd_ms", "tflops", "rel_error"]
+
+# (name, out features, in features, groups): DeepSeek-V3's projections; groups > 0: routed experts
+DEEPSEEK_V3_GEMMS = [
+    ("q_a_proj", 1536, 7168, 0),
+    ("q_b_proj", 24576, 1536, 0),
+    ("kv_a_proj_with_mqa", 576, 7168, 0),
+    ("kv_b_proj", 32768, 512, 0),
+    ("o_proj", 7168, 16384, 0),
+    ("mlp gate+up", 36864, 7168, 0),
+    ("mlp down", 7168, 18432, 0),
+    ("shared gate+up", 4096, 7168, 0),
+    ("shared down", 7168, 2048, 0),
+    ("experts gate+up", 4096, 7168, 256),
+    ("experts down", 7168, 2048, 256),
+]
+# the GEMMs of each kind of layer (by name prefix): MLA, then the dense MLP or the shared and routed experts
+MLA = ("q_a", "q_b", "kv_a", "kv_b", "o_proj")
+LAYERS = {"dense layer": (*MLA, "mlp"), "MoE layer": (*MLA, "shared", "experts")}
+TINY_GEMMS = [("linear", 32, 64, 0), ("experts", 32, 48, 4)]
+TOP_K = 8
+
+
+def grouped_bf16(x, weight, offs):
+    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    if x.is_cuda:
+        return grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    starts = [0] + offs[:-1].tolist()
+    return torch.cat([x[s:e] @ weight[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist()))])
+
+
+def inputs(out_features, in_features, groups, tokens, device, generator):
+    rows = tokens * TOP_K if groups else tokens
+    x = torch.randn(rows, in_features, device=device, generator=generator).bfloat16().requires_grad_()
+    shape = (groups, out_features, in_features) if groups else (out_features, in_features)
+    weight = (torch.randn(shape, device=device, generator=generator) * in_features**-0.5).bfloat16().requires_grad_()
+    grad = torch.randn(rows, out_features, device=device, generator=generator).bfloat16()
+    offs = None
+    if groups:  # even routing: each expert gets rows / groups rows
+        offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+    return x, weight, grad, offs
+
+
+def timed_ms(function, repeats: int) -> float:
+    if not torch.cuda.is_available():
+        function()
+        return float("nan")
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(name, out_features, in_features, groups, tokens, device, repeats):
+    generator = torch.Generator(device=device).manual_seed(0)
+    x, weight, grad, offs = inputs(out_features, in_features, groups, tokens, device, generator)
+    reference = (x.double() @ weight.double().transpose(-1, -2)) if not groups else None
+    if groups:
+        reference = grouped_bf16(x.double(), weight.double(), offs)
+    paths = {
+        "bf16": (lambda: grouped_bf16(x, weight, offs)) if groups else (lambda: F.linear(x, weight)),
+        "fp8": (lambda: fp8_grouped_mm(x, weight, offs)) if groups else (lambda: fp8_linear(x, weight)),
+    }
+    rows = []
+    flops = 3 * 2 * x.shape[0] * out_features * in_features  # forward, input gradient, weight gradient
+    for impl, forward in paths.items():
+
+        def step(forward=forward):
+            x.grad = weight.grad = None
+            forward().backward(grad)
+
+        ms = timed_ms(step, repeats)
+        with torch.no_grad():
+            out = forward().double()
+        error = float((out - reference).norm() / reference.norm())
+        rows.append(
+            dict(
+                gemm=name, tokens=tokens, out=out_features, groups=groups, impl=impl, fwd_bwd_ms=ms, rel_error=error,
+                tflops=flops / ms / 1e9 if ms == ms else float("nan"), **{"in": in_features},
+            )
+        )  # fmt: skip
+        print(f"{name:>18} {impl:>4}: {ms:8.3f} ms, {rows[-1]['tflops']:7.1f} TFLOP/s, rel. error {error:.2e}")
+    return rows
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [r["gemm"] for r in rows if r["impl"] == "bf16"]
+    speedup = [
+        b["fwd_bwd_ms"] / f["fwd_bwd_ms"]
+        for b, f in zip([r for r in rows if r["impl"] == "bf16"], [r for r in rows if r["impl"] == "fp8"])
+    ]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.barh(names, speedup)
+    axis.axvline(1.0, color="black", linewidth=0.8)
+    axis.set(xlabel="bf16 time / FP8 time (forward + backward)", title="DeepSeek-V3 layer GEMMs, 4096 tokens")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (no timing)")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=os.path.join(HERE, "data"))
+    parser.add_argument("--budget-s", type=float, help="accepted for run_gpu.sh")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    gemms, tokens = (TINY_GEMMS, 16) if args.tiny else (DEEPSEEK_V3_GEMMS, args.tokens)
+    rows = []
+    for gemm in gemms:
+        rows += measure(*gemm, tokens, device, args.repeats)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "fp8_gemm" + ("_tiny" if args.tiny else ""))
+    with open(stem + ".csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    bf16 = {r["gemm"]: r for r in rows if r["impl"] == "bf16"}
+    fp8 = {r["gemm"]: r for r in rows if r["impl"] == "fp8"}
+    lines = ["| GEMM | bf16 ms | FP8 ms | bf16 / FP8 | FP8 TFLOP/s | FP8 rel. error | bf16 rel. error |"]
+    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    for name in bf16:
+        b, f = bf16[name], fp8[name]
+        lines.append(
+            f"| {name} | {b['fwd_bwd_ms']:.3f} | {f['fwd_bwd_ms']:.3f} | {b['fwd_bwd_ms'] / f['fwd_bwd_ms']:.2f}x | "
+            f"{f['tflops']:.0f} | {f['rel_error']:.2e} | {b['rel_error']:.2e} |"
+        )
+    for layer, parts in LAYERS.items():
+        names = [name for name in bf16 if any(name.startswith(part) for part in parts)]
+        if not args.tiny:
+            total_b = sum(bf16[name]["fwd_bwd_ms"] for name in names)
+            total_f = sum(fp8[name]["fwd_bwd_ms"] for name in names)
+            lines.append(f"| {layer}, its GEMMs | {total_b:.3f} | {total_f:.3f} | {total_b / total_f:.2f}x | | | |")
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    lines += ["", f"device: {device_name}, {tokens} tokens, torch {torch.__version__}"]
+    with open(stem + ".md", "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plotted = plot(rows, stem + ".png") if device == "cuda" else None
+    print(f"wrote {stem}.csv, {stem}.md" + (f", {plotted}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
