@@ -65,13 +65,17 @@ class LigerGroupedExperts(nn.Module):
     Experts with another activation (``config.hidden_act`` or their ``act_fn``) stay native: an instance patch leaves
     them, and under a class-level patch the modeling module's code builds the native experts
     (``modules/native_fallback.py``), with a warning.
+
+    ``fp8`` (constructor option or attribute, default False) runs every grouped GEMM on e4m3 operands with dynamic
+    rowwise scales, the weights staying in their own dtype and quantised at each call (``ops/fp8_expert_groups.py``).
     """
 
     def __new__(cls, *args, **kwargs):
         return native_instead(cls, args, kwargs) or super().__new__(cls)
 
-    def __init__(self, config):
+    def __init__(self, config, fp8: bool = False):
         super().__init__()
+        self.fp8 = fp8
         self.limit = swiglu_limit("LigerGroupedExperts", config)
         self.config = config
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
@@ -128,4 +132,6 @@ class LigerGroupedExperts(nn.Module):
         if getattr(self, "_is_expert_parallel", False):
             index, weights = _local_routes(index, weights, self.gate_up_proj)
         limit = getattr(self, "limit", None)  # a converted unclamped experts module has none
-        return liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit).view(shape)
+        fp8 = getattr(self, "fp8", False)  # nor an fp8 attribute
+        out = liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit, fp8=fp8)
+        return out.view(shape)

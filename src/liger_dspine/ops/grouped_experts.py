@@ -26,6 +26,11 @@ With ``limit`` (DeepSeek-V4's ``swiglu_limit``) gate and up are clamped before t
 ``DeepseekV4Experts`` clamps them: ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``; no gradient flows
 through a clamped value.
 
+With ``fp8=True`` every grouped GEMM (forward gate/up and down; backward grad_out @ down_proj, the input gradient
+and both weight gradients) runs on e4m3 operands with dynamic rowwise scales (:mod:`liger_dspine.ops.fp8_expert_groups`,
+which states the per-call cost of quantising the weights); the elementwise math, the slot sums and what is saved for
+backward (the gate/up output, in the GEMM dtype) are unchanged.
+
 Expert ids must lie in [0, E) (no expert-parallel sentinels); the CPU loop checks it, CUDA does not (a host sync).
 """
 
@@ -35,6 +40,9 @@ from packaging.version import Version
 
 from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.first_order import first_order_only
+from liger_dspine.ops.fp8_expert_groups import FP8_EXPERTS_OPS
+from liger_dspine.ops.fp8_expert_groups import FP8ExpertGroups
+from liger_dspine.ops.fp8_expert_groups import check_fp8_experts
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward
@@ -228,7 +236,7 @@ def summed_slots(rows, row_of_slot, scale, dtype: torch.dtype) -> torch.Tensor:
 
 class LigerGroupedExpertsFunction(torch.autograd.Function):
     """(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float, gate_up_proj [E, 2I, H],
-    down_proj [E, H, I]) -> [T, H] in hidden_states' dtype.
+    down_proj [E, H, I], limit, fp8) -> [T, H] in hidden_states' dtype.
 
     Forward and backward are each one custom op (opaque to torch.compile: the per-expert loop reads the group
     bounds on the host, and the grouped GEMM's alignment check reads data pointers)."""
@@ -237,22 +245,25 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
         "liger_dspine::grouped_experts",
         "liger_dspine::grouped_experts_backward",
         "liger_dspine::grouped_experts_backward_",
+        *FP8_EXPERTS_OPS,
     )
 
     @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, limit=None):
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, limit=None, fp8=False):
         dtype = gemm_dtype(hidden_states, gate_up_proj, "grouped experts")
         if down_proj.dtype != gate_up_proj.dtype:
             raise ValueError(
                 f"liger-dspine: grouped experts need one weight dtype; gate_up_proj is {gate_up_proj.dtype} and "
                 f"down_proj is {down_proj.dtype}"
             )
+        if fp8:
+            check_fp8_experts(hidden_states.device, dtype, gate_up_proj.shape[2], down_proj.shape[2])
         out, perm, row_of_slot, offsets, gate_up = _grouped_experts(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit, fp8
         )
         saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
         ctx.save_for_backward(*saved)
-        ctx.gemm_dtype, ctx.limit = dtype, limit
+        ctx.gemm_dtype, ctx.limit, ctx.fp8 = dtype, limit, fp8
         return out
 
     @staticmethod
@@ -260,7 +271,7 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows a single unpack
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]
-        args = (grad_out, *saved, ctx.gemm_dtype, need_x, need_weights, need_gate_up, need_down, ctx.limit)
+        args = (grad_out, *saved, ctx.gemm_dtype, need_x, need_weights, need_gate_up, need_down, ctx.limit, ctx.fp8)
         # Eager: the fused backward writes d gate_up over the saved gate_up output (its version is bumped, so a second
         # backward fails loudly). Compiled: a new buffer, as functionalisation would make one anyway.
         if torch.compiler.is_compiling():
@@ -270,7 +281,7 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
         grad_x, grad_weights, grad_gate_up, grad_down = (
             grad if need else None for grad, need in zip(grads, (need_x, need_weights, need_gate_up, need_down))
         )
-        return grad_x, None, grad_weights, grad_gate_up, grad_down, None
+        return grad_x, None, grad_weights, grad_gate_up, grad_down, None, None
 
 
 def _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype):
@@ -295,24 +306,25 @@ def _grouped_experts(
     down_proj: torch.Tensor,
     dtype: torch.dtype,
     limit: float | None = None,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward: (out [T, H], perm [S], row_of_slot [S], offsets [E] int32, gate_up [S, 2I]); the last four are
     what the backward needs."""
     num_tokens, top_k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
     device = hidden_states.device
-    use_torch = use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype)
+    use_torch = not fp8 and use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype)
 
     with torch.autocast(device.type, enabled=False):
         # sort the (token, slot) pairs by expert; a stable sort keeps the result independent of the backend
         sorted_experts, perm = torch.sort(top_k_index.reshape(-1).to(torch.int64), stable=True)
         expert_ids = torch.arange(num_experts, device=device, dtype=sorted_experts.dtype)
         offsets = torch.searchsorted(sorted_experts, expert_ids, right=True, out_int32=True)
-        if not use_torch:  # the loop syncs with the host anyway
+        if not (use_torch or fp8 and device.type == "cuda"):  # the loop syncs with the host anyway
             _check_expert_ids(sorted_experts, num_experts)
         row_of_slot = torch.empty_like(perm)  # inverse permutation: sorted row of flat slot t * K + k
         row_of_slot[perm] = torch.arange(perm.numel(), device=device)
-        groups = ExpertGroups(offsets, use_torch)
+        groups = FP8ExpertGroups(offsets) if fp8 else ExpertGroups(offsets, use_torch)
 
         x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
         gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
@@ -326,7 +338,7 @@ def _grouped_experts(
 
 
 @_grouped_experts.register_fake
-def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit=None):
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit=None, fp8=False):
     return _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
 
 
@@ -338,10 +350,13 @@ class _BackwardContext:
 
 
 def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up,
-              dtype, need_x, need_weights, need_gate_up, need_down, limit, in_place):  # fmt: skip
+              dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place):  # fmt: skip
     """(grad_x, grad_weights, grad_gate_up, grad_down), each None when not needed. ``in_place``: the fused path
     may write d gate_up over ``gate_up``."""
-    groups = ExpertGroups(offsets, use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype))
+    if fp8:
+        groups = FP8ExpertGroups(offsets)
+    else:
+        groups = ExpertGroups(offsets, use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype))
     ctx = _BackwardContext((need_x, False, need_weights, need_gate_up, need_down), groups, dtype, limit)
     saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
     grad_x = grad_weights = grad_gate_up = grad_down = None
@@ -388,7 +403,7 @@ def _backward_outputs(grads, like: torch.Tensor):
 
 
 def _backward_fake(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets,
-                   gate_up, dtype, need_x, need_weights, need_gate_up, need_down, limit=None):  # fmt: skip
+                   gate_up, dtype, need_x, need_weights, need_gate_up, need_down, limit=None, fp8=False):  # fmt: skip
     shapes = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     needs = (need_x, need_weights, need_gate_up, need_down)
     return tuple(
@@ -414,10 +429,11 @@ def _grouped_experts_backward(
     need_gate_up: bool,
     need_down: bool,
     limit: float | None = None,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weights, grad_gate_up, grad_down); an empty [0] tensor for each one not needed."""
     args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
-    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, in_place=False)
+    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place=False)
     return _backward_outputs(grads, hidden_states)
 
 
@@ -438,10 +454,11 @@ def _grouped_experts_backward_(
     need_gate_up: bool,
     need_down: bool,
     limit: float | None = None,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_grouped_experts_backward` that may write d gate_up over the saved ``gate_up``."""
     args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
-    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, in_place=True)
+    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place=True)
     return _backward_outputs(grads, hidden_states)
 
 
@@ -500,9 +517,11 @@ def liger_grouped_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     limit: float | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: hidden_states [T, H], top_k_index [T, K] (ids in [0, E)), top_k_weights [T, K],
-    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [T, H]; ``limit`` clamps gate and up (module
-    docstring)."""
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] -> [T, H]; ``limit`` clamps gate and up; ``fp8``
+    runs the GEMMs on e4m3 operands (module docstring): H and I multiples of 16, and on CUDA bf16 on a GPU of compute
+    capability 9.0 or 10.0."""
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    return LigerGroupedExpertsFunction.apply(*args, None if limit is None else float(limit))
+    return LigerGroupedExpertsFunction.apply(*args, None if limit is None else float(limit), bool(fp8))
