@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # --tiny: Triton's CPU interpreter, switched on before any kernel module
     os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
+from cuda_timing import event_times_ms  # noqa: E402
 from liger_dspine.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: E402
 from liger_dspine.ops.fp8_linear import fp8_linear  # noqa: E402
 
@@ -70,20 +71,11 @@ def inputs(out_features, in_features, groups, tokens, device, generator):
 
 
 def timed_ms(function, repeats: int) -> float:
+    """The median CUDA time of ``function()``; on a CPU one call and no timing."""
     if not torch.cuda.is_available():
         function()
         return float("nan")
-    for _ in range(3):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(function, torch, repeats, warmup=3))
 
 
 def measure(name, out_features, in_features, groups, tokens, device, repeats):
