@@ -4,8 +4,10 @@ e4m3's rounding allows, and bf16's within bf16's."""
 import csv
 import importlib.util
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # the script's own imports (cuda_timing)
 
 
 def test_tiny_run_writes_rows_with_errors_within_the_formats(tmp_path):
