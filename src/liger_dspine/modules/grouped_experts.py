@@ -133,5 +133,5 @@ class LigerGroupedExperts(nn.Module):
             index, weights = _local_routes(index, weights, self.gate_up_proj)
         limit = getattr(self, "limit", None)  # a converted unclamped experts module has none
         fp8 = getattr(self, "fp8", False)  # nor an fp8 attribute
-        out = liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit, fp8=fp8)
+        out = liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit, fp8)
         return out.view(shape)

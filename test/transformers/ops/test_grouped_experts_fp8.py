@@ -10,7 +10,7 @@
         e_a |b|.T + |a| e_b.T + e_a e_b.T            (the operands' errors)
         + (L + 2) 2^-24 (|a| + e_a)(|b| + e_b).T     (fp32 sums of exact fp8 products, two fp32 scalings)
 
-    and storing a value in fp32 half an ulp of |value| + bound. SiLU-mul propagates through |silu'| <= 1.0998 and
+    and storing a value in fp32 half an ulp of |value| + bound. SiLU-mul propagates through |silu'| <= 1.1 and
     |silu''| <= 0.5 (clamps are 1-Lipschitz; where a value lies within its bound of a clamp, its gradient may be
     either side's), fp32 elementwise math adds 2^-20 of the magnitude, a slot sum (K + 1) 2^-24 of it. Quantising an
     operand whose op value lies within e of the reference's gives the same fp8 values (unless an element sits within
@@ -44,11 +44,15 @@ from liger_dspine.modules.grouped_experts import LigerGroupedExperts
 from liger_dspine.ops import fp8_expert_groups
 from liger_dspine.ops import grouped_experts as ops
 from liger_dspine.ops.fp8_expert_groups import check_fp8_experts
+from liger_dspine.ops.fp8_grouped_mm import cuda_grouped_rows_mm
+from liger_dspine.ops.fp8_grouped_mm import cuda_grouped_weight_grad
+from liger_dspine.ops.fp8_quantize import quantize_group_columns
+from liger_dspine.ops.fp8_quantize import quantize_rowwise
 from liger_dspine.ops.fp8_quantize import quantize_rowwise_reference
 from tiny_models import tiny_deepseek_v3_config
 
 FP32_UNIT = 2.0**-24
-SILU_SLOPE = 1.0998  # max |silu'|
+SILU_SLOPE = 1.1  # max |silu'| = 1.09984...
 SILU_CURVE = 0.5  # max |silu''|
 ELEMENTWISE = 2.0**-20  # fp32 sigmoid, products and casts: 16 ulps
 NAMES = ("output", "hidden_states grad", "routing weights grad", "gate_up_proj grad", "down_proj grad")
@@ -331,6 +335,36 @@ def test_fake_tensors_give_the_real_layouts():
     real = layouts(run(*tensors, fp8=True))
     with FakeTensorMode() as mode:
         assert layouts(run(*[mode.from_tensor(t) for t in tensors], fp8=True)) == real
+
+
+def test_cuda_layouts_pass_torch_checks():
+    """The six products of the op as torch._scaled_grouped_mm calls on fake CUDA tensors, with the operands
+    FP8ExpertGroups quantises (each weight layout the op passes: transposed views in forward, row-major in
+    backward): torch's meta functions check dtypes, strides, alignment, scale shapes and give the output shape."""
+    rows, hidden, intermediate, experts = 40, 64, 32, 4
+    with FakeTensorMode():
+
+        def empty(*shape):
+            return torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
+
+        gate_up_proj, down_proj = empty(experts, 2 * intermediate, hidden), empty(experts, hidden, intermediate)
+        offs = torch.empty(experts, dtype=torch.int32, device="cuda")
+        products = [
+            (empty(rows, hidden), gate_up_proj.transpose(1, 2), (rows, 2 * intermediate)),  # forward gate/up
+            (empty(rows, intermediate), down_proj.transpose(1, 2), (rows, hidden)),  # forward down
+            (empty(rows, hidden), down_proj, (rows, intermediate)),  # grad_out @ down_proj
+            (empty(rows, 2 * intermediate), gate_up_proj, (rows, hidden)),  # input gradient
+        ]
+        for a, weights, shape in products:
+            out = cuda_grouped_rows_mm(*quantize_rowwise(a), *fp8_expert_groups._per_column(weights), offs)
+            assert out.shape == shape and out.dtype == torch.bfloat16
+        for left, right in (
+            (empty(rows, hidden), empty(rows, intermediate)),
+            (empty(rows, 2 * intermediate), empty(rows, hidden)),
+        ):
+            q_left, scale_left, padded = quantize_group_columns(left, offs)
+            out = cuda_grouped_weight_grad(q_left, scale_left, *quantize_group_columns(right, offs)[:2], padded)
+            assert out.shape == (experts, left.shape[1], right.shape[1])
 
 
 def test_refusals(monkeypatch):
