@@ -36,6 +36,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from dataclasses import field
+from types import CellType
 from types import FunctionType
 from types import MethodType
 from typing import Callable
@@ -267,7 +268,11 @@ def dressed(new, native):
         return new
     copy = _DRESSED.get((new, native))
     if copy is None:
-        copy = FunctionType(new.__code__, new.__globals__, new.__name__, new.__defaults__, new.__closure__)
+        closure = _closure_for_copy(new)
+        copy = FunctionType(new.__code__, new.__globals__, new.__name__, new.__defaults__, closure)
+        for cell, old in zip(closure or (), new.__closure__ or ()):
+            if cell is not old:  # the function's reference to itself
+                cell.cell_contents = copy
         copy.__dict__.update(new.__dict__)
         copy.__kwdefaults__ = new.__kwdefaults__
         copy.__qualname__ = new.__qualname__
@@ -278,6 +283,23 @@ def dressed(new, native):
         setattr(copy, _DRESSED_FROM, new)
         _DRESSED[(new, native)] = copy
     return copy
+
+
+def _closure_for_copy(function: FunctionType) -> tuple[CellType, ...] | None:
+    """``function``'s closure for a copy of it: a cell that holds ``function`` itself becomes a new cell (for the
+    copy, once it exists), the others are shared. transformers' ``GradientCheckpointingLayer``
+    wraps each subclass's ``forward`` in a function that checkpoints only when it is the class's ``forward`` (it
+    finds itself in its closure): a copy must find the copy, or checkpointing never runs."""
+    if not function.__closure__:
+        return function.__closure__
+    return tuple(CellType() if _holds(cell, function) else cell for cell in function.__closure__)
+
+
+def _holds(cell: CellType, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _merged_signature(new, native) -> inspect.Signature:
