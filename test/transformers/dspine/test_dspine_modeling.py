@@ -351,11 +351,16 @@ def test_forward_argument_checks(target):
         draft(**{**inputs, "noise_embedding": inputs["noise_embedding"][:, :-1]})
 
 
-def test_gradient_checkpointing_does_not_change_loss_or_grads(target):
+@pytest.mark.parametrize("liger", [False, True])
+def test_gradient_checkpointing_does_not_change_loss_or_grads(target, liger):
+    from liger_dspine import apply_liger_kernel_to_dspine
+
     inputs = draft_inputs(target)
-    results = []
+    results, handed = [], []
     for checkpointing in (False, True):
         draft = build_draft(target, write_std=0.2).train()
+        if liger:
+            apply_liger_kernel_to_dspine(model=draft)
         if checkpointing:
             enable = getattr(draft, "activation_checkpointing_enable", None)
             if enable is not None:
@@ -363,10 +368,14 @@ def test_gradient_checkpointing_does_not_change_loss_or_grads(target):
             else:
                 draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             assert all(layer.gradient_checkpointing for layer in draft.layers)
+            for layer in draft.layers:  # count the forwards each layer hands to the checkpoint function
+                checkpoint = layer._gradient_checkpointing_func
+                layer._gradient_checkpointing_func = lambda f, *a, c=checkpoint, **k: handed.append(f) or c(f, *a, **k)
         out = draft(**inputs)
         loss = out.hidden_states.square().mean() + out.layer_features.square().mean()
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()}))
+    assert len(handed) == len(draft.layers)  # checkpointing ran in every layer
     torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, atol=1e-7, rtol=1e-6, msg=name)
