@@ -22,6 +22,16 @@ def device():
     return DEVICE
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """One torch thread for a module of tiny CPU shapes: more threads only add overhead (about 15 ms a GEMM on a
+    2-core runner)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

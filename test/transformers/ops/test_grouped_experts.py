@@ -22,21 +22,13 @@ from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward as fused
 from tiny_models import native_experts_class
 from tiny_models import tiny_deepseek_v3_config
 
-pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix
+# runs against every transformers version of the matrix
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("one_cpu_thread")]
 
 NativeExperts = native_experts_class()
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 FP64 = dict(atol=1e-12, rtol=1e-12)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """The CPU shapes here are tiny: threads only add overhead (about 15 ms a GEMM on a 2-core runner)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 CPU_GROUPED_MM = pytest.mark.skipif(

@@ -58,12 +58,7 @@ ELEMENTWISE = 2.0**-20  # fp32 sigmoid, products and casts: 16 ulps
 NAMES = ("output", "hidden_states grad", "routing weights grad", "gate_up_proj grad", "down_proj grad")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @dataclass
