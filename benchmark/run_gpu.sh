@@ -211,12 +211,12 @@ for step in "$@"; do
     # types at once; TF_TREE: a transformers tree with tests/ (carry it), by default .tf-tree
     transformers-tests)
       # its test_pipeline_mixin.py imports the tree's src/transformers: the installed one
-      mkdir -p "${TF_TREE:-.tf-tree}/src"
-      ln -sfn "$($PYTHON -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')" \
-        "${TF_TREE:-.tf-tree}/src/transformers"
+      tree=${TF_TREE:-.tf-tree}
+      mkdir -p "$tree/src"
+      ln -sfn "$($PYTHON -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')" "$tree/src/transformers"
       limit=$(left)
       # USE_HUB_KERNELS=NO: no hub kernels (no network here), for the native and the patched run alike
-      USE_HUB_KERNELS=NO timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "${TF_TREE:-.tf-tree}" \
+      USE_HUB_KERNELS=NO timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "$tree" \
         --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 4 --timeout $(((limit - 150) / 2)) \
         --out-dir "$OUT/transformers_model_tests"
       tar -C "$OUT" -czf "$OUT/transformers_model_tests.tar.gz" transformers_model_tests && rm -r "$OUT/transformers_model_tests" ;;

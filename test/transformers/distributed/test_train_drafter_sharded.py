@@ -181,21 +181,14 @@ def test_one_torchrun_process_shards_over_itself_and_equals_a_plain_run(tmp_path
     import subprocess
     import sys
 
-    command = ["-m", "liger_dspine.cli", "train-drafter", "--tiny", "--no-liger", "--steps", "2"]
+    command = ["-m", "liger_dspine.cli", "train-drafter", "--tiny", "--no-liger", "--steps", str(STEPS)]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     sharding = ["--drafter-parallel", "fsdp", "--target-parallel", "fsdp"]
     runs = {"plain": [sys.executable, *command], "sharded": [*launch, *command, *sharding]}
     for name, argv in runs.items():
         done = subprocess.run([*argv, "--output-dir", str(tmp_path / name)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
-    weights = load_file_of(tmp_path / "sharded")
-    expected = load_file_of(tmp_path / "plain")
+    weights, expected = _weights(tmp_path / "sharded"), _weights(tmp_path / "plain")
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(weights[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
-
-
-def load_file_of(folder):
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(folder, "checkpoint-2", "model.safetensors"))
