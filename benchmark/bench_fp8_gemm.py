@@ -81,9 +81,10 @@ def timed_ms(function, repeats: int) -> float:
 def measure(name, out_features, in_features, groups, tokens, device, repeats):
     generator = torch.Generator(device=device).manual_seed(0)
     x, weight, grad, offs = inputs(out_features, in_features, groups, tokens, device, generator)
-    reference = (x.double() @ weight.double().transpose(-1, -2)) if not groups else None
     if groups:
         reference = grouped_bf16(x.double(), weight.double(), offs)
+    else:
+        reference = x.double() @ weight.double().t()
     paths = {
         "bf16": (lambda: grouped_bf16(x, weight, offs)) if groups else (lambda: F.linear(x, weight)),
         "fp8": (lambda: fp8_grouped_mm(x, weight, offs)) if groups else (lambda: fp8_linear(x, weight)),
