@@ -51,8 +51,10 @@ TOP_K = 8
 
 
 def grouped_bf16(x, weight, offs):
+    """Rows of group e times weight[e].T: torch's grouped GEMM for bf16 on CUDA, a per-group loop otherwise (the
+    fp64 reference; the grouped GEMM takes no fp64)."""
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-    if x.is_cuda:
+    if x.is_cuda and x.dtype == torch.bfloat16:
         return grouped_mm(x, weight.transpose(1, 2), offs=offs)
     starts = [0] + offs[:-1].tolist()
     return torch.cat([x[s:e] @ weight[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist()))])
