@@ -2,9 +2,12 @@
 
 The first measurement behind FP8 training: for each GEMM of a DeepSeek-V3 layer at 4096 tokens (the MLA
 projections, the dense MLP, the shared expert and the routed experts' grouped GEMMs at 256 experts top-8, routed
-evenly), the time of the bf16 GEMM (``F.linear`` / ``torch._grouped_mm`` with autograd) and of ``fp8_linear`` /
-``fp8_grouped_mm`` (quantisation of both operands included), forward and backward. The FLOP-weighted sum says how
-much of the step's GEMM time FP8 takes off; its error against an fp32 product says what it costs in accuracy.
+evenly, and at the step benchmark's 16 experts top-2), the time of the bf16 GEMM (``F.linear`` /
+``torch._grouped_mm`` with autograd) and of ``fp8_linear`` / ``fp8_grouped_mm`` (quantisation of both operands
+included), forward and backward. ``weight quant`` is the part of the FP8 time spent quantising the weight (once
+rowwise for the forward, once per column for the input gradient): what FP8 copies of the weights kept across the
+micro-batches of an optimizer step would save. The per-layer sums say how much of the step's GEMM time FP8 takes
+off; the error against an fp64 product says what it costs in accuracy.
 
     python benchmark/bench_fp8_gemm.py            # a GPU with FP8 (sm 8.9+)
     python benchmark/bench_fp8_gemm.py --tiny     # CPU check of the script: tiny shapes, the reference path
@@ -25,29 +28,37 @@ if not torch.cuda.is_available():  # --tiny: Triton's CPU interpreter, switched 
 from cuda_timing import event_times_ms  # noqa: E402
 from liger_dspine.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: E402
 from liger_dspine.ops.fp8_linear import fp8_linear  # noqa: E402
+from liger_dspine.ops.fp8_quantize import quantize_columns  # noqa: E402
+from liger_dspine.ops.fp8_quantize import quantize_rowwise  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIELDS = ["gemm", "tokens", "out", "in", "groups", "impl", "fwd_bwd_ms", "tflops", "rel_error"]
 
-# (name, out features, in features, groups): DeepSeek-V3's projections; groups > 0: routed experts
+# (name, out features, in features, groups, top-k): DeepSeek-V3's projections; groups > 0: routed experts
 DEEPSEEK_V3_GEMMS = [
-    ("q_a_proj", 1536, 7168, 0),
-    ("q_b_proj", 24576, 1536, 0),
-    ("kv_a_proj_with_mqa", 576, 7168, 0),
-    ("kv_b_proj", 32768, 512, 0),
-    ("o_proj", 7168, 16384, 0),
-    ("mlp gate+up", 36864, 7168, 0),
-    ("mlp down", 7168, 18432, 0),
-    ("shared gate+up", 4096, 7168, 0),
-    ("shared down", 7168, 2048, 0),
-    ("experts gate+up", 4096, 7168, 256),
-    ("experts down", 7168, 2048, 256),
+    ("q_a_proj", 1536, 7168, 0, 1),
+    ("q_b_proj", 24576, 1536, 0, 1),
+    ("kv_a_proj_with_mqa", 576, 7168, 0, 1),
+    ("kv_b_proj", 32768, 512, 0, 1),
+    ("o_proj", 7168, 16384, 0, 1),
+    ("mlp gate+up", 36864, 7168, 0, 1),
+    ("mlp down", 7168, 18432, 0, 1),
+    ("shared gate+up", 4096, 7168, 0, 1),
+    ("shared down", 7168, 2048, 0, 1),
+    ("experts gate+up", 4096, 7168, 256, 8),
+    ("experts down", 7168, 2048, 256, 8),
+    ("slim experts gate+up", 4096, 7168, 16, 2),  # bench_deepseek_v3.py's 16 experts top-2
+    ("slim experts down", 7168, 2048, 16, 2),
 ]
-# the GEMMs of each kind of layer (by name prefix): MLA, then the dense MLP or the shared and routed experts
-MLA = ("q_a", "q_b", "kv_a", "kv_b", "o_proj")
-LAYERS = {"dense layer": (*MLA, "mlp"), "MoE layer": (*MLA, "shared", "experts")}
-TINY_GEMMS = [("linear", 32, 64, 0), ("experts", 32, 48, 4)]
-TOP_K = 8
+# the GEMMs of each kind of layer: MLA, then the dense MLP or the shared and routed experts
+MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+SHARED = ("shared gate+up", "shared down")
+LAYERS = {
+    "dense layer": (*MLA, "mlp gate+up", "mlp down"),
+    "MoE layer": (*MLA, *SHARED, "experts gate+up", "experts down"),
+    "slim MoE layer": (*MLA, *SHARED, "slim experts gate+up", "slim experts down"),
+}
+TINY_GEMMS = [("linear", 32, 64, 0, 1), ("experts", 32, 48, 4, 2)]
 
 
 def grouped_bf16(x, weight, offs):
@@ -60,8 +71,8 @@ def grouped_bf16(x, weight, offs):
     return torch.cat([x[s:e] @ weight[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist()))])
 
 
-def inputs(out_features, in_features, groups, tokens, device, generator):
-    rows = tokens * TOP_K if groups else tokens
+def inputs(out_features, in_features, groups, top_k, tokens, device, generator):
+    rows = tokens * top_k
     x = torch.randn(rows, in_features, device=device, generator=generator).bfloat16().requires_grad_()
     shape = (groups, out_features, in_features) if groups else (out_features, in_features)
     weight = (torch.randn(shape, device=device, generator=generator) * in_features**-0.5).bfloat16().requires_grad_()
@@ -80,9 +91,19 @@ def timed_ms(function, repeats: int) -> float:
     return statistics.median(event_times_ms(function, torch, repeats, warmup=3))
 
 
-def measure(name, out_features, in_features, groups, tokens, device, repeats):
+def quantize_weight(weight):
+    """What the FP8 ops do to a weight in one forward + backward: rowwise over K, then per column over N."""
+    if weight.dim() == 3:
+        experts, out_features, in_features = weight.shape
+        quantize_rowwise(weight.reshape(experts * out_features, in_features))
+    else:
+        quantize_rowwise(weight)
+    quantize_columns(weight)
+
+
+def measure(name, out_features, in_features, groups, top_k, tokens, device, repeats):
     generator = torch.Generator(device=device).manual_seed(0)
-    x, weight, grad, offs = inputs(out_features, in_features, groups, tokens, device, generator)
+    x, weight, grad, offs = inputs(out_features, in_features, groups, top_k, tokens, device, generator)
     if groups:
         reference = grouped_bf16(x.double(), weight.double(), offs)
     else:
@@ -109,7 +130,16 @@ def measure(name, out_features, in_features, groups, tokens, device, repeats):
                 tflops=flops / ms / 1e9 if ms == ms else float("nan"), **{"in": in_features},
             )
         )  # fmt: skip
-        print(f"{name:>18} {impl:>4}: {ms:8.3f} ms, {rows[-1]['tflops']:7.1f} TFLOP/s, rel. error {error:.2e}")
+        print(f"{name:>20} {impl:>4}: {ms:8.3f} ms, {rows[-1]['tflops']:7.1f} TFLOP/s, rel. error {error:.2e}")
+    with torch.no_grad():
+        ms = timed_ms(lambda: quantize_weight(weight.detach()), repeats)
+    rows.append(
+        dict(
+            gemm=name, tokens=tokens, out=out_features, groups=groups, impl="weight quant", fwd_bwd_ms=ms,
+            rel_error=float("nan"), tflops=float("nan"), **{"in": in_features},
+        )
+    )  # fmt: skip
+    print(f"{name:>20} weight quant: {ms:8.3f} ms")
     return rows
 
 
@@ -157,20 +187,27 @@ def main(argv=None) -> int:
         writer.writerows(rows)
     bf16 = {r["gemm"]: r for r in rows if r["impl"] == "bf16"}
     fp8 = {r["gemm"]: r for r in rows if r["impl"] == "fp8"}
-    lines = ["| GEMM | bf16 ms | FP8 ms | bf16 / FP8 | FP8 TFLOP/s | FP8 rel. error | bf16 rel. error |"]
-    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    quant = {r["gemm"]: r for r in rows if r["impl"] == "weight quant"}
+    lines = [
+        "| GEMM | bf16 ms | FP8 ms | bf16 / FP8 | of which weight quant ms | bf16 / FP8 less weight quant | "
+        "FP8 TFLOP/s | FP8 rel. error | bf16 rel. error |"
+    ]
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def ratios(b_ms, f_ms, q_ms):
+        return f"{b_ms:.3f} | {f_ms:.3f} | {b_ms / f_ms:.2f}x | {q_ms:.3f} | {b_ms / (f_ms - q_ms):.2f}x"
+
     for name in bf16:
-        b, f = bf16[name], fp8[name]
+        b, f, q = bf16[name], fp8[name], quant[name]
         lines.append(
-            f"| {name} | {b['fwd_bwd_ms']:.3f} | {f['fwd_bwd_ms']:.3f} | {b['fwd_bwd_ms'] / f['fwd_bwd_ms']:.2f}x | "
-            f"{f['tflops']:.0f} | {f['rel_error']:.2e} | {b['rel_error']:.2e} |"
+            f"| {name} | {ratios(b['fwd_bwd_ms'], f['fwd_bwd_ms'], q['fwd_bwd_ms'])} | {f['tflops']:.0f} | "
+            f"{f['rel_error']:.2e} | {b['rel_error']:.2e} |"
         )
     for layer, parts in LAYERS.items():
-        names = [name for name in bf16 if any(name.startswith(part) for part in parts)]
         if not args.tiny:
-            total_b = sum(bf16[name]["fwd_bwd_ms"] for name in names)
-            total_f = sum(fp8[name]["fwd_bwd_ms"] for name in names)
-            lines.append(f"| {layer}, its GEMMs | {total_b:.3f} | {total_f:.3f} | {total_b / total_f:.2f}x | | | |")
+            names = parts
+            total_b, total_f, total_q = (sum(d[name]["fwd_bwd_ms"] for name in names) for d in (bf16, fp8, quant))
+            lines.append(f"| {layer}, its GEMMs | {ratios(total_b, total_f, total_q)} | | | |")
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines += ["", f"device: {device_name}, {tokens} tokens, torch {torch.__version__}"]
     with open(stem + ".md", "w") as handle:
