@@ -66,16 +66,20 @@ class LigerGroupedExperts(nn.Module):
     them, and under a class-level patch the modeling module's code builds the native experts
     (``modules/native_fallback.py``), with a warning.
 
-    ``fp8`` (constructor option or attribute, default False) runs every grouped GEMM on e4m3 operands with dynamic
-    rowwise scales, the weights staying in their own dtype and quantised at each call (``ops/fp8_expert_groups.py``).
+    ``fp8`` (constructor option, or class attribute: True in :class:`LigerFP8GroupedExperts`) runs every grouped GEMM
+    on e4m3 operands with dynamic rowwise scales, the weights staying in their own dtype and quantised at each call
+    (``ops/fp8_expert_groups.py``).
     """
+
+    fp8 = False
 
     def __new__(cls, *args, **kwargs):
         return native_instead(cls, args, kwargs) or super().__new__(cls)
 
     def __init__(self, config, fp8: bool = False):
         super().__init__()
-        self.fp8 = fp8
+        if fp8:
+            self.fp8 = True
         self.limit = swiglu_limit("LigerGroupedExperts", config)
         self.config = config
         self.num_experts, self.hidden_dim, self.intermediate_dim = expert_sizes(config)
@@ -132,6 +136,11 @@ class LigerGroupedExperts(nn.Module):
         if getattr(self, "_is_expert_parallel", False):
             index, weights = _local_routes(index, weights, self.gate_up_proj)
         limit = getattr(self, "limit", None)  # a converted unclamped experts module has none
-        fp8 = getattr(self, "fp8", False)  # nor an fp8 attribute
-        out = liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit, fp8)
+        out = liger_grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, limit, self.fp8)
         return out.view(shape)
+
+
+class LigerFP8GroupedExperts(LigerGroupedExperts):
+    """:class:`LigerGroupedExperts` with every grouped GEMM in FP8 (``fp8=True`` of the apply functions)."""
+
+    fp8 = True

@@ -6,6 +6,8 @@ from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
+from liger_dspine.modules.fp8_projection import check_fp8_projection
+from liger_dspine.modules.fp8_projection import fp8_projection
 from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.modules.parallel_state import call_through_hooks
 from liger_dspine.modules.parallel_state import gathered_by_hooks
@@ -33,7 +35,12 @@ class LigerSwiGLUMLP(nn.Module):
     An MLP with another activation (``config.hidden_act`` or its ``act_fn``) stays native: an instance patch leaves
     it, and under a class-level patch the modeling module's code builds the native MLP
     (``modules/native_fallback.py``), with a warning.
+
+    ``fp8`` (class attribute, True in :class:`LigerFP8SwiGLUMLP`) runs the three projections' GEMMs on e4m3 operands
+    with dynamic rowwise scales (``ops/fp8_linear.py``), forward and backward; the weights stay in their dtype.
     """
+
+    fp8 = False
 
     def __new__(cls, *args, **kwargs):
         return native_instead(cls, args, kwargs) or super().__new__(cls)
@@ -74,6 +81,8 @@ class LigerSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_kernel_device(x, "LigerSwiGLUMLP")
+        if self.fp8:
+            return self._fp8_forward(x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         limit = getattr(self, "limit", None)  # a converted unclamped MLP has none
         if limit is not None:
@@ -94,5 +103,22 @@ class LigerSwiGLUMLP(nn.Module):
         # unless a forward hook of gate_proj / up_proj may have kept them (in_place above)
         return self._fused_down(in_place)(gate, up)
 
-    def _fused_down(self, in_place: bool):
-        return lambda gate, up: liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place)
+    def _fused_down(self, in_place: bool, fp8: bool = False):
+        return lambda gate, up: liger_swiglu_down(gate, up, self.down_proj.weight, in_place=in_place, fp8=fp8)
+
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = fp8_projection(self.gate_proj, x, "gate_proj"), fp8_projection(self.up_proj, x, "up_proj")
+        limit = getattr(self, "limit", None)
+        if limit is not None:
+            return fp8_projection(self.down_proj, liger_clamped_silu_mul(gate, up, limit), "down_proj")
+        fused_down = self._fused_down(in_place=True, fp8=True)  # gate and up are this forward's own
+        check_fp8_projection(self.down_proj, "down_proj")
+        if gathered_by_hooks(self.down_proj):
+            return call_through_hooks(self.down_proj, fused_down, gate, up)
+        return fused_down(gate, up)
+
+
+class LigerFP8SwiGLUMLP(LigerSwiGLUMLP):
+    """:class:`LigerSwiGLUMLP` with its projections' GEMMs in FP8 (``fp8=True`` of the apply functions)."""
+
+    fp8 = True

@@ -80,6 +80,27 @@ def _(a, scale_a, b, scale_b, out_dtype):
     return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
 
 
+def fp8_mm(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [T, K] @ weight [N, K].T -> [T, N] in ``dtype``: x per token, weight per out-feature, both over K."""
+    q_x, scale_x = quantize_rowwise(x)
+    q_w, scale_w = quantize_rowwise(weight)
+    return _scaled_mm(q_x, scale_x, q_w, scale_w, dtype)
+
+
+def fp8_mm_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_out [T, N] @ weight [N, K] -> [T, K] in ``dtype``: grad_out per token, weight per in-feature, over N."""
+    q_g, scale_g = quantize_rowwise(grad_out)
+    q_wt, scale_wt = quantize_columns(weight)  # [K, N]
+    return _scaled_mm(q_g, scale_g, q_wt, scale_wt, dtype)
+
+
+def fp8_mm_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_out [T, N].T @ x [T, K] -> [N, K] in ``dtype``: both per feature, over the T tokens."""
+    q_gt, scale_gt = quantize_columns(grad_out)  # [N, Tp]
+    q_xt, scale_xt = quantize_columns(x)  # [K, Tp]
+    return _scaled_mm(q_gt, scale_gt, q_xt, scale_xt, dtype)
+
+
 class LigerFP8LinearFunction(torch.autograd.Function):
     """(x [T, K], weight [N, K]) -> x @ weight.T [T, N] in the GEMM dtype, every GEMM on FP8 operands."""
 
@@ -92,11 +113,9 @@ class LigerFP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         dtype = gemm_dtype(x, weight, "FP8 linear")
-        q_x, scale_x = quantize_rowwise(x)
-        q_w, scale_w = quantize_rowwise(weight)
         ctx.save_for_backward(x, weight)
         ctx.gemm_dtype = dtype
-        return _scaled_mm(q_x, scale_x, q_w, scale_w, dtype)
+        return fp8_mm(x, weight, dtype)
 
     @staticmethod
     @first_order_only
@@ -105,14 +124,19 @@ class LigerFP8LinearFunction(torch.autograd.Function):
         need_x, need_weight = ctx.needs_input_grad[:2]
         grad_x = grad_weight = None
         if need_x:
-            q_g, scale_g = quantize_rowwise(grad_out)
-            q_wt, scale_wt = quantize_columns(weight)  # [K, N]: W scaled per in-feature
-            grad_x = _scaled_mm(q_g, scale_g, q_wt, scale_wt, ctx.gemm_dtype).to(x.dtype)
+            grad_x = fp8_mm_grad_input(grad_out, weight, ctx.gemm_dtype).to(x.dtype)
         if need_weight:
-            q_gt, scale_gt = quantize_columns(grad_out)  # [N, Tp]
-            q_xt, scale_xt = quantize_columns(x)  # [K, Tp]
-            grad_weight = _scaled_mm(q_gt, scale_gt, q_xt, scale_xt, ctx.gemm_dtype).to(weight.dtype)
+            grad_weight = fp8_mm_grad_weight(grad_out, x, ctx.gemm_dtype).to(weight.dtype)
         return grad_x, grad_weight
+
+
+def check_fp8_linear(device: torch.device, dtype: torch.dtype, what: str, **dims: int) -> None:
+    """Refuse what the FP8 GEMMs cannot run: ``dims`` not multiples of 16, a GPU without FP8, bf16 not the GEMM
+    dtype on CUDA."""
+    check_multiple_of_16(what, **dims)
+    check_fp8_device(device, what)
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"liger-dspine: {what} on CUDA computes in bf16, got {dtype}")
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -124,11 +148,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             f"{tuple(weight.shape)}"
         )
     out_features, in_features = weight.shape
-    check_multiple_of_16("FP8 linear", K=in_features, N=out_features)
-    check_fp8_device(x.device, "FP8 linear")
-    dtype = gemm_dtype(x, weight, "FP8 linear")
-    if x.is_cuda and dtype != torch.bfloat16:
-        raise ValueError(f"liger-dspine: FP8 linear on CUDA computes in bf16, got {dtype}")
+    check_fp8_linear(x.device, gemm_dtype(x, weight, "FP8 linear"), "FP8 linear", K=in_features, N=out_features)
     rows = x if x.dim() == 2 else x.reshape(-1, in_features)
     out = LigerFP8LinearFunction.apply(rows, weight)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

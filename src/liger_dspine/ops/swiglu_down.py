@@ -12,6 +12,10 @@ SiLU-mul forward kernel:
 The GEMMs run in the dtype ``F.linear`` would use (autocast's when it is on, else the inputs', which must match
 the weight); the SiLU-mul kernels run in the dtype of ``a`` and ``b``; dW is returned in the weight's dtype.
 
+With ``fp8=True`` the three GEMMs run on e4m3 operands with dynamic rowwise scales (:mod:`liger_dspine.ops.fp8_linear`:
+c and W per row over I in forward, dy per token and W per in-feature over H for dc, dy and c per feature over the
+tokens for dW); what is saved is unchanged.
+
 liger-kernel's backward kernel writes da and db over its a and b buffers. By default they are copies, so the
 caller's tensors are untouched; with ``in_place=True`` the saved ``a`` and ``b`` themselves are overwritten (two
 fewer ``[..., I]`` buffers at the backward's peak), which is only right when nothing else reads them afterwards.
@@ -22,6 +26,10 @@ import torch.nn.functional as F
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.ops.first_order import first_order_only
+from liger_dspine.ops.fp8_linear import check_fp8_linear
+from liger_dspine.ops.fp8_linear import fp8_mm
+from liger_dspine.ops.fp8_linear import fp8_mm_grad_input
+from liger_dspine.ops.fp8_linear import fp8_mm_grad_weight
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.liger_kernel_ops import silu_mul
 from liger_dspine.ops.liger_kernel_ops import silu_mul_backward_
@@ -47,10 +55,16 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
     torch.compile ``in_place`` is ignored: the identity checks it needs do not trace, so gate and up are copied.
     """
 
-    kernel_ops = ("liger_dspine::silu_mul", "liger_dspine::silu_mul_backward_")
+    kernel_ops = (
+        "liger_dspine::silu_mul",
+        "liger_dspine::silu_mul_backward_",
+        "liger_dspine::fp8_quantize_rows",
+        "liger_dspine::fp8_quantize_columns",
+        "liger_dspine::fp8_scaled_mm",
+    )
 
     @staticmethod
-    def forward(ctx, gate, up, down_weight, in_place):
+    def forward(ctx, gate, up, down_weight, in_place, fp8=False):
         device_type = gate.device.type
         dtype = gemm_dtype(gate, down_weight, _WHAT)
         width = gate.shape[-1]
@@ -58,8 +72,11 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         gate_saved, up_saved = gate.contiguous(), up.contiguous()
         with torch.autocast(device_type, enabled=False):
             product = silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
-            # [..., I] in, so the output is a tensor of its own and not a view of an intermediate
-            out = F.linear(product.view(gate.shape).to(dtype), down_weight.to(dtype))
+            if fp8:
+                out = fp8_mm(product, down_weight, dtype).view(*gate.shape[:-1], down_weight.shape[0])
+            else:
+                # [..., I] in, so the output is a tensor of its own and not a view of an intermediate
+                out = F.linear(product.view(gate.shape).to(dtype), down_weight.to(dtype))
         del product
 
         if torch.compiler.is_compiling():
@@ -69,7 +86,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
             ctx.overwrite_gate = in_place and (gate_saved is not gate or _overwritable(gate))
             ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
         ctx.second_pass = RunsOnce(_RUNS_ONCE)  # spent once the backward overwrote gate and up
-        ctx.compute_dtype = dtype
+        ctx.compute_dtype, ctx.fp8 = dtype, fp8
         ctx.save_for_backward(gate_saved, up_saved, down_weight)
         return out
 
@@ -89,10 +106,16 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
             if weight_needs_grad:
                 # before the SiLU-mul backward, which may overwrite gate and up
                 product = silu_mul(gate_rows, up_rows).to(dtype)
-                grad_weight = (grad_rows.t() @ product).to(down_weight.dtype)
+                if ctx.fp8:
+                    grad_weight = fp8_mm_grad_weight(grad_rows, product, dtype).to(down_weight.dtype)
+                else:
+                    grad_weight = (grad_rows.t() @ product).to(down_weight.dtype)
                 del product
             if gate_needs_grad or up_needs_grad:
-                grad_product = (grad_rows @ down_weight.to(dtype)).to(gate.dtype).contiguous()
+                if ctx.fp8:
+                    grad_product = fp8_mm_grad_input(grad_rows, down_weight, dtype).to(gate.dtype)
+                else:
+                    grad_product = (grad_rows @ down_weight.to(dtype)).to(gate.dtype).contiguous()
                 grad_gate_rows = gate_rows if ctx.overwrite_gate else gate_rows.clone()
                 grad_up_rows = up_rows if ctx.overwrite_up else up_rows.clone()
                 if ctx.overwrite_gate or ctx.overwrite_up:
@@ -101,7 +124,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
                 del grad_product
                 grad_gate = grad_gate_rows.view(gate.shape) if gate_needs_grad else None
                 grad_up = grad_up_rows.view(up.shape) if up_needs_grad else None
-        return grad_gate, grad_up, grad_weight, None
+        return grad_gate, grad_up, grad_weight, None, None
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor) -> None:
@@ -120,7 +143,7 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tenso
 
 
 def liger_swiglu_down(
-    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, in_place: bool = False
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, in_place: bool = False, fp8: bool = False
 ) -> torch.Tensor:
     """``F.linear(F.silu(gate) * up, down_weight)``, saving gate, up and the weight but not their product.
 
@@ -131,10 +154,15 @@ def liger_swiglu_down(
         in_place: let the backward write the gradients of gate and up over the saved gate and up (two fewer
             ``[..., I]`` buffers at its peak). Only when nothing reads ``gate`` and ``up`` after the backward and
             the backward runs once (no ``retain_graph``). Leaves and views are never overwritten.
+        fp8: the three GEMMs on e4m3 operands (module docstring); I and H multiples of 16, and on CUDA a GPU with
+            FP8 GEMMs and bf16 as the GEMM dtype.
 
     Returns:
         [..., H] in the GEMM dtype (autocast's, else the inputs').
     """
     _check_inputs(gate, up, down_weight)
     check_kernel_device(gate, _WHAT)
-    return LigerSwiGLUDownFunction.apply(gate, up, down_weight, in_place)
+    if fp8:
+        hidden, width = down_weight.shape
+        check_fp8_linear(gate.device, gemm_dtype(gate, down_weight, _WHAT), f"FP8 {_WHAT}", I=width, H=hidden)
+    return LigerSwiGLUDownFunction.apply(gate, up, down_weight, in_place, bool(fp8))

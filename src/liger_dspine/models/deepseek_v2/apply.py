@@ -19,6 +19,7 @@ def apply_liger_kernel_to_deepseek_v2(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of DeepSeek-V2 / V2.5 / V2-Lite (``deepseek_v2``) for Liger kernels; liger-kernel's
     parameter order.
@@ -30,6 +31,9 @@ def apply_liger_kernel_to_deepseek_v2(
     ``DeepseekV2TopkRouter`` -> ``LigerDeepseekV2TopkRouter`` (softmax, "greedy" or "group_limited_greedy" selection
     in one kernel; ``DeepseekV2Moe.route_tokens_to_experts`` before transformers 5.17);
     ``DeepseekV2ForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
+
+    ``fp8`` (keyword-only, opt-in): the MLPs' and experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -45,6 +49,7 @@ def apply_liger_kernel_to_deepseek_v2(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     return apply_spec(DEEPSEEK_V2_SPEC, options, model)
 

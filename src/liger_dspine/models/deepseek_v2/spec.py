@@ -61,12 +61,18 @@ def mla_model_spec(
     swaps = [
         ClassSwap("rms_norm", (f"{prefix}RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", (f"{prefix}MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        ClassSwap("fp8_swiglu", (f"{prefix}MLP",), "liger_dspine.modules.swiglu:LigerFP8SwiGLUMLP"),
     ]
     if moe_block is not None:
         swaps += [
             ClassSwap("fused_experts", experts_names(prefix), "liger_dspine.modules.experts:LigerFusedExperts"),
             ClassSwap(
                 "grouped_experts", experts_names(prefix), "liger_dspine.modules.grouped_experts:LigerGroupedExperts"
+            ),
+            ClassSwap(
+                "fp8_grouped_experts",
+                experts_names(prefix),
+                "liger_dspine.modules.grouped_experts:LigerFP8GroupedExperts",
             ),
         ]
     swaps += [

@@ -29,6 +29,7 @@ def apply_liger_kernel_to_deepseek_v3(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V3's modules for Liger kernels; same parameters as liger-kernel's function.
 
@@ -66,6 +67,12 @@ def apply_liger_kernel_to_deepseek_v3(
             DeepSeek-V3 widths. The backward recomputes them a group of heads at a time (about 256 MiB of them
             alive at once), for one more attention forward. With eager attention, attention dropout or projections
             that are not plain bias-free ``nn.Linear`` (adapters) the whole core is checkpointed instead.
+        fp8: (keyword-only) opt-in FP8 training: the dense MLPs' and shared experts' projections
+            (``LigerFP8SwiGLUMLP``) and the routed experts' grouped GEMMs (``LigerFP8GroupedExperts``) run on e4m3
+            operands with dynamic rowwise scales, forward and backward; weights, optimizer state, router, norms,
+            attention and the loss stay in their dtype. Needs ``swiglu`` and ``grouped_experts``, bf16 on a GPU with
+            FP8 GEMMs (the grouped ones: compute capability 9.0 or 10.0); on a CPU a reference path computes the
+            same rounding. See docs/fp8.md.
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 
@@ -83,6 +90,7 @@ def apply_liger_kernel_to_deepseek_v3(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     return apply_spec(DEEPSEEK_V3_SPEC, options, model)
 
@@ -99,6 +107,7 @@ def v3_options(
     grouped_experts: bool = False,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> dict[str, bool]:
     """The public options of DeepSeek-V3's apply function (and of the models built from its classes), checked
     against each other and resolved into one flag per swap of the spec: at most one enabled swap per target."""
@@ -110,6 +119,11 @@ def v3_options(
         raise ValueError(
             "liger-dspine: recompute_attention=True needs rope=True: it is a mode of liger-dspine's MLA attention"
         )
+    if fp8 and not (swiglu and grouped_experts and not fused_experts):
+        raise ValueError(
+            "liger-dspine: fp8=True runs the MLPs and routed experts' GEMMs in FP8 inside the Liger modules: it needs "
+            "swiglu=True and grouped_experts=True, and fused_experts=False (liger-kernel's fused MoE has no FP8 path)"
+        )
     return dict(
         rope=rope and not recompute_attention,
         recompute_attention=recompute_attention,
@@ -117,10 +131,12 @@ def v3_options(
         fused_linear_cross_entropy=fused_linear_cross_entropy and not vocab_chunked_lce,
         vocab_chunked_lce=fused_linear_cross_entropy and vocab_chunked_lce,
         rms_norm=rms_norm,
-        swiglu=swiglu,
+        swiglu=swiglu and not fp8,
+        fp8_swiglu=swiglu and fp8,
         moe_router=moe_router,
         fused_experts=swiglu and fused_experts,
-        grouped_experts=swiglu and grouped_experts and not fused_experts,
+        grouped_experts=swiglu and grouped_experts and not fused_experts and not fp8,
+        fp8_grouped_experts=fp8,
     )
 
 

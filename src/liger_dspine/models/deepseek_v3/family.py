@@ -75,12 +75,18 @@ def v3_like_spec(
     swaps = [
         ClassSwap("rms_norm", (f"{prefix}RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
         ClassSwap("swiglu", (f"{prefix}MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        ClassSwap("fp8_swiglu", (f"{prefix}MLP",), "liger_dspine.modules.swiglu:LigerFP8SwiGLUMLP"),
     ]
     if router_classes is not None:
         swaps += [
             ClassSwap("fused_experts", experts_names(prefix), "liger_dspine.modules.experts:LigerFusedExperts"),
             ClassSwap(
                 "grouped_experts", experts_names(prefix), "liger_dspine.modules.grouped_experts:LigerGroupedExperts"
+            ),
+            ClassSwap(
+                "fp8_grouped_experts",
+                experts_names(prefix),
+                "liger_dspine.modules.grouped_experts:LigerFP8GroupedExperts",
             ),
         ]
     if mla_classes is not None:

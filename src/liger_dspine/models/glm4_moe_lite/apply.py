@@ -19,6 +19,7 @@ def apply_liger_kernel_to_glm4_moe_lite(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of GLM-4.7-Flash (``glm4_moe_lite``) for Liger kernels; liger-kernel's parameter order.
 
@@ -27,6 +28,9 @@ def apply_liger_kernel_to_glm4_moe_lite(
     experts -> ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``Glm4MoeLiteTopkRouter`` ->
     ``LigerGlm4MoeLiteTopkRouter``; ``Glm4MoeLiteAttention`` (MLA) -> ``LigerGlm4MoeLiteAttention``;
     ``Glm4MoeLiteForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
+
+    ``fp8`` (keyword-only, opt-in): the MLPs' and experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -42,6 +46,7 @@ def apply_liger_kernel_to_glm4_moe_lite(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     return apply_spec(GLM4_MOE_LITE_SPEC, options, model)
 

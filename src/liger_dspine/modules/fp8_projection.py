@@ -1,0 +1,42 @@
+"""A bias-free ``nn.Linear`` called with its GEMMs in FP8 (:func:`~liger_dspine.ops.fp8_linear.fp8_linear`), as the
+module would run: inside its own hooks where a sharding engine (FSDP2, DeepSpeed ZeRO-3) gathers its weight around
+the call. Anything else (a bias, adapters, a forward of its own, tensor-parallel DTensor weights, other hooks) is
+refused: its numbers would not be the module's."""
+
+import torch
+from torch import nn
+
+from liger_dspine.modules.config_reading import runs_plain_linear
+from liger_dspine.modules.parallel_state import call_through_hooks
+from liger_dspine.modules.parallel_state import gathered_by_hooks
+from liger_dspine.modules.parallel_state import is_dtensor
+from liger_dspine.ops.fp8_linear import fp8_linear
+
+
+def check_fp8_projection(linear: nn.Module, name: str) -> None:
+    """A ValueError naming ``name`` unless ``linear`` is a bias-free ``nn.Linear`` run as is, or gathered by a
+    sharding engine's hooks."""
+    plain = isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
+    if not plain or "forward" in vars(linear):
+        raise ValueError(
+            f"liger-dspine: fp8=True runs {name} as a plain nn.Linear; this one is {type(linear).__name__} with a "
+            "forward of its own (an adapter or a quantised layer): pass fp8=False"
+        )
+    if linear.bias is not None:
+        raise ValueError(f"liger-dspine: fp8=True has no projection biases; {name} has one: pass fp8=False")
+    if gathered_by_hooks(linear):  # its weight is whole inside the call
+        return
+    if not runs_plain_linear(linear) or is_dtensor(linear.weight):
+        raise ValueError(
+            f"liger-dspine: fp8=True cannot run {name} under tensor parallelism or hooks other than FSDP2's / "
+            "DeepSpeed ZeRO-3's: pass fp8=False"
+        )
+
+
+def fp8_projection(linear: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+    """``linear(x)`` with FP8 GEMMs (``linear`` a bias-free ``nn.Linear`` called ``name``; see
+    :func:`check_fp8_projection`)."""
+    check_fp8_projection(linear, name)
+    if gathered_by_hooks(linear):
+        return call_through_hooks(linear, lambda rows: fp8_linear(rows, linear.weight), x)
+    return fp8_linear(x, linear.weight)
