@@ -1,0 +1,138 @@
+"""``fp8=True`` of the DeepSeek-V3, DeepSeek-V2 and GLM-4.7-Flash patches: which modules it swaps, that their GEMMs
+run on FP8 operands (the reference path on a CPU), its refusals, and a training step against native.
+
+The FP8 GEMMs themselves are checked elementwise against float64 bounds in test/transformers/ops/test_fp8_*.py;
+here the question is the wiring: the MLPs and experts of a patched model compute with the FP8 ops and the model's
+own weights, and everything else is left as the bf16 patch has it.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from liger_dspine import apply_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine import revert_liger_kernel_to_deepseek_v3  # noqa: E402
+from liger_dspine.modules.grouped_experts import LigerFP8GroupedExperts  # noqa: E402
+from liger_dspine.modules.grouped_experts import LigerGroupedExperts  # noqa: E402
+from liger_dspine.modules.swiglu import LigerFP8SwiGLUMLP  # noqa: E402
+from liger_dspine.modules.swiglu import LigerSwiGLUMLP  # noqa: E402
+from liger_dspine.ops.fp8_linear import fp8_linear  # noqa: E402
+from liger_dspine.ops.liger_kernel_ops import silu_mul  # noqa: E402
+from tiny_family import CASES  # noqa: E402
+from tiny_models import tiny_deepseek_v3_config  # noqa: E402
+
+# e4m3 keeps 3 mantissa bits: each quantised operand is off by at most 2^-4 relative (normal range), so a product of
+# two is off by at most 2 * 2^-4 + 2^-8 relative to sum |a||b|. A gradient that passes through several FP8 GEMMs
+# adds a bound like that per GEMM; three on the way to a weight gradient give the 0.4 below, a norm-wise sanity
+# bound (the elementwise bounds are the op tests').
+PRODUCT_BOUND = 2 * 2.0**-4 + 2.0**-8
+GRADIENT_BOUND = 3 * PRODUCT_BOUND
+
+
+def build(model_type: str) -> tuple[nn.Module, object, int]:
+    """(fp32 tiny model, its apply function, vocabulary size)."""
+    if model_type == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM
+
+        torch.manual_seed(0)
+        return DeepseekV3ForCausalLM(tiny_deepseek_v3_config()).float(), apply_liger_kernel_to_deepseek_v3, 96
+    case = CASES[model_type]
+    return case.build(), case.apply_fn(), case.vocab_size
+
+
+def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))]
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
+    native, apply, vocab = build(model_type)
+    bf16_patched, fp8_patched = copy.deepcopy(native), copy.deepcopy(native)
+    apply(model=bf16_patched)
+    report = apply(model=fp8_patched, fp8=True)
+    assert "LigerFP8SwiGLUMLP" in str(report) and "LigerFP8GroupedExperts" in str(report)
+    kinds = {type(m) for m in mlps_and_experts(fp8_patched)}
+    assert kinds == {LigerFP8SwiGLUMLP, LigerFP8GroupedExperts}
+    assert {type(m) for m in mlps_and_experts(bf16_patched)} == {LigerSwiGLUMLP, LigerGroupedExperts}
+    # the rest of the patch is the bf16 one's
+    assert [type(m) for m in fp8_patched.modules() if not isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))] == [
+        type(m) for m in bf16_patched.modules() if not isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))
+    ]
+
+    input_ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for name, model in (("native", native), ("bf16", bf16_patched), ("fp8", fp8_patched)):
+        out = model(input_ids=input_ids, labels=input_ids)
+        out.loss.backward()
+        losses[name] = out.loss.detach()
+    assert torch.allclose(losses["bf16"], losses["native"], rtol=1e-5)
+    assert torch.allclose(losses["fp8"], losses["native"], rtol=PRODUCT_BOUND)
+    assert losses["fp8"] != losses["bf16"]  # the FP8 GEMMs ran
+
+    native_params = dict(native.named_parameters())
+    for name, param in fp8_patched.named_parameters():
+        reference = native_params[name].grad
+        if reference is None or not reference.abs().max() > 0:
+            continue
+        error = (param.grad - reference).norm() / reference.norm()
+        assert error <= GRADIENT_BOUND, (name, float(error))
+
+
+def test_the_fp8_mlp_computes_with_the_fp8_ops_and_its_own_weights():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
+
+    torch.manual_seed(0)
+    mlp = DeepseekV3MLP(tiny_deepseek_v3_config())
+    LigerFP8SwiGLUMLP.convert(mlp)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    out = mlp(x)
+    gate = fp8_linear(x.detach(), mlp.gate_proj.weight.detach())
+    up = fp8_linear(x.detach(), mlp.up_proj.weight.detach())
+    product = silu_mul(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])).view(gate.shape)
+    expected = fp8_linear(product, mlp.down_proj.weight.detach())
+    torch.testing.assert_close(out.detach(), expected, rtol=0, atol=0)
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in mlp.parameters())
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(fused_experts=True), "fused_experts=False"),
+        (dict(swiglu=False), "swiglu=True"),
+        (dict(grouped_experts=False), "grouped_experts=True"),
+        (dict(fp8="yes"), "must be True or False"),
+    ],
+)
+def test_fp8_refuses_what_it_cannot_run(options, message):
+    model, apply, _ = build("deepseek_v3")
+    with pytest.raises((ValueError, TypeError), match=message):
+        apply(model=model, **{"fp8": True, **options})
+
+
+def test_an_fp8_projection_with_a_bias_is_refused_by_name():
+    model, apply, _ = build("deepseek_v3")
+    apply(model=model, fp8=True)
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.bias = nn.Parameter(torch.zeros(mlp.up_proj.out_features))
+    with pytest.raises(ValueError, match="up_proj has one"):
+        mlp(torch.randn(1, 3, 32))
+
+
+def test_fp8_at_class_level_builds_fp8_modules_and_reverts():
+    from transformers import DeepseekV3ForCausalLM
+
+    apply_liger_kernel_to_deepseek_v3(fp8=True)
+    try:
+        model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config())
+        assert {type(m) for m in mlps_and_experts(model)} == {LigerFP8SwiGLUMLP, LigerFP8GroupedExperts}
+    finally:
+        revert_liger_kernel_to_deepseek_v3()
+    model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config())
+    assert not mlps_and_experts(model)
