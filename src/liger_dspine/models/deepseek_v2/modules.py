@@ -22,6 +22,12 @@ class LigerDeepseekV2Attention(LigerMLAAttention, modeling_deepseek_v2.DeepseekV
         return position_embeddings.real, position_embeddings.imag
 
 
+class LigerFP8DeepseekV2Attention(LigerDeepseekV2Attention):
+    """``LigerDeepseekV2Attention`` with the projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerDeepseekV2RecomputeAttention(LigerDeepseekV2Attention):
     """``LigerDeepseekV2Attention`` keeping only the latents for backward (``recompute_attention=True``)."""
 

@@ -119,13 +119,19 @@ def v3_options(
         raise ValueError(
             "liger-dspine: recompute_attention=True needs rope=True: it is a mode of liger-dspine's MLA attention"
         )
+    if fp8 and recompute_attention:
+        raise ValueError(
+            "liger-dspine: fp8=True and recompute_attention=True cannot be combined yet: the recompute runs the "
+            "attention's projections by head groups in bf16"
+        )
     if fp8 and not (swiglu and grouped_experts and not fused_experts):
         raise ValueError(
             "liger-dspine: fp8=True runs the MLPs and routed experts' GEMMs in FP8 inside the Liger modules: it needs "
             "swiglu=True and grouped_experts=True, and fused_experts=False (liger-kernel's fused MoE has no FP8 path)"
         )
     return dict(
-        rope=rope and not recompute_attention,
+        rope=rope and not recompute_attention and not fp8,
+        fp8_rope=rope and fp8,
         recompute_attention=recompute_attention,
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy and not vocab_chunked_lce,

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 from liger_dspine.modules.config_reading import runs_plain_linear
+from liger_dspine.modules.fp8_projection import fp8_projection
 
 
 class LigerMLAAttention:
@@ -54,6 +55,7 @@ class LigerMLAAttention:
     """
 
     recompute_core = False  # see LigerDeepseekV3RecomputeAttention
+    fp8 = False  # the projections' GEMMs on FP8 operands (LigerFP8DeepseekV3Attention)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -92,6 +94,12 @@ class LigerMLAAttention:
         cos, sin = self._liger_angles(position_embeddings)
         layout = self._liger_rope_layout()
         if layout is None or cos.requires_grad or sin.requires_grad:
+            if self.fp8:
+                raise ValueError(
+                    f"liger-dspine: fp8=True: {type(self).__name__} would run transformers' forward here (a RoPE "
+                    "layout its kernels do not take, or angles that need gradients), whose projections are not FP8: "
+                    "pass fp8=False"
+                )
             # by keyword: the native forwards of the family order their arguments differently
             native = functools.partial(
                 super().forward, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
@@ -103,8 +111,11 @@ class LigerMLAAttention:
         batch_size, seq_length = hidden_states.shape[:-1]
         # The latents: the query's after q_a_layernorm (or the hidden states without q_lora_rank), the key/value's
         # after kv_a_layernorm, and the shared rope key.
-        q_latent = hidden_states if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
-        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        if self.q_lora_rank is None:
+            q_latent = hidden_states
+        else:
+            q_latent = self.q_a_layernorm(self._liger_linear(self.q_a_proj, hidden_states, "q_a_proj"))
+        compressed_kv = self._liger_linear(self.kv_a_proj_with_mqa, hidden_states, "kv_a_proj_with_mqa")
         kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_nope = self.kv_a_layernorm(kv_nope)
         k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
@@ -137,8 +148,12 @@ class LigerMLAAttention:
         else:
             attn_output, attn_weights = core(q_latent, kv_nope, k_rot)
         attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
+        attn_output = self._liger_linear(self.o_proj, attn_output, "o_proj")
         return self._liger_outputs(attn_output, attn_weights, selected)
+
+    def _liger_linear(self, linear: torch.nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``linear(x)``, with its GEMMs in FP8 when the class says so."""
+        return fp8_projection(linear, x, name) if self.fp8 else linear(x)
 
     def _liger_select_keys(self, hidden_states, q_latent, position_embeddings, attention_mask, cache, kwargs, length):
         """``(attention_mask, kwargs, selection)`` for the attention over ``length`` keys (the cache's included),
@@ -195,7 +210,10 @@ class LigerMLAAttention:
         else:
             key_states, value_states = self._liger_expanded_key_value(kv_nope, k_rot, cos, sin, cache, layout)
 
-        q_states = self._liger_q_up_proj()(q_latent) if q_weight is None else F.linear(q_latent, q_weight)
+        if q_weight is None:
+            q_states = self._liger_linear(self._liger_q_up_proj(), q_latent, "the query up-projection")
+        else:
+            q_states = F.linear(q_latent, q_weight)
         # [B, S, H * D] -> [B, H, S, D] view; the kernel reads it in place.
         q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim).transpose(1, 2)
         query_states = liger_mla_query(q_states, cos, sin, self.qk_rope_head_dim, layout)
@@ -234,7 +252,8 @@ class LigerMLAAttention:
         plain = all(runs_plain_linear(m) and m.bias is None for m in projections)
         dropout = self.attention_dropout if self.training else 0.0
         eager = self.config._attn_implementation in (None, "eager")
-        return self.latent_cache and plain and dropout == 0.0 and not eager
+        # head groups multiply weight rows in bf16: with fp8 every head runs at once, its projections in FP8
+        return self.latent_cache and plain and dropout == 0.0 and not eager and not self.fp8
 
     def _liger_heads_per_group(self, q_latent: torch.Tensor) -> int:
         from liger_dspine.models.deepseek_v3 import head_groups
@@ -261,7 +280,10 @@ class LigerMLAAttention:
     def _liger_kv_heads(self, kv_latent: torch.Tensor, kv_weight: torch.Tensor | None = None) -> torch.Tensor:
         """kv_latent [B, (1,) L, kv_lora_rank] -> kv_b_proj output (or that of ``kv_weight``'s rows) viewed
         [B, H, L, nope + v] (no copy)."""
-        kv = self.kv_b_proj(kv_latent) if kv_weight is None else F.linear(kv_latent, kv_weight)
+        if kv_weight is None:
+            kv = self._liger_linear(self.kv_b_proj, kv_latent, "kv_b_proj")
+        else:
+            kv = F.linear(kv_latent, kv_weight)
         batch_size, length = kv.shape[0], kv.shape[-2]
         return kv.view(batch_size, length, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
 
@@ -295,6 +317,12 @@ class LigerDeepseekV3Attention(LigerMLAAttention, DeepseekV3Attention):
 # What the DeepSeek-V3 class read from transformers (see LigerMLAAttention).
 NATIVE_CACHE_ARG = LigerDeepseekV3Attention.native_cache_arg
 LATENT_CACHE = LigerDeepseekV3Attention.latent_cache
+
+
+class LigerFP8DeepseekV3Attention(LigerDeepseekV3Attention):
+    """``LigerDeepseekV3Attention`` with the five projections' GEMMs in FP8 (``fp8=True``); every head at once."""
+
+    fp8 = True
 
 
 class LigerDeepseekV3RecomputeAttention(LigerDeepseekV3Attention):

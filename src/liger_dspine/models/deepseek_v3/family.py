@@ -59,6 +59,7 @@ def v3_like_spec(
     causal_lm_module: str | None = None,
     base_class: str | None = None,
     forwards: str = CAUSAL_LM_FORWARDS,
+    fp8_attention: bool = False,
 ) -> PatchSpec:
     """DeepSeek-V3's swaps for the classes ``<prefix>RMSNorm``, ``<prefix>MLP``, ... of ``modeling``.
 
@@ -71,6 +72,7 @@ def v3_like_spec(
             ``causal_lm_module`` (``modeling`` by default).
         base_class: ``"module:Class"`` an instance patch accepts (``<prefix>PreTrainedModel`` of ``modeling``).
         forwards: the module defining ``lce_forward``, ``lce_forward_vocab_chunked`` and ``ce_forward``.
+        fp8_attention: ``mla_classes`` also defines ``LigerFP8<prefix>Attention`` (``fp8=True``).
     """
     swaps = [
         ClassSwap("rms_norm", (f"{prefix}RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
@@ -94,6 +96,8 @@ def v3_like_spec(
             ClassSwap("rope", (f"{prefix}Attention",), f"{mla_classes}:Liger{prefix}Attention"),
             ClassSwap("recompute_attention", (f"{prefix}Attention",), f"{mla_classes}:Liger{prefix}RecomputeAttention"),
         ]
+        if fp8_attention:
+            swaps.append(ClassSwap("fp8_rope", (f"{prefix}Attention",), f"{mla_classes}:LigerFP8{prefix}Attention"))
     if router_classes is not None:
         swaps += [
             ClassSwap("moe_router", (f"{prefix}TopkRouter",), f"{router_classes}:Liger{prefix}TopkRouter"),

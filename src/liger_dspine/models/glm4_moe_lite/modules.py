@@ -14,6 +14,12 @@ class LigerGlm4MoeLiteAttention(LigerMLAAttention, Glm4MoeLiteAttention):
     """GLM-4.7-Flash's MLA (a copy of DeepSeek-V3's) with the interleaved RoPE fused into the query and key assembly."""
 
 
+class LigerFP8Glm4MoeLiteAttention(LigerGlm4MoeLiteAttention):
+    """``LigerGlm4MoeLiteAttention`` with the projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerGlm4MoeLiteRecomputeAttention(LigerGlm4MoeLiteAttention):
     """``LigerGlm4MoeLiteAttention`` keeping only the latents for backward (``recompute_attention=True``)."""
 
