@@ -143,3 +143,27 @@ def test_fp8_at_class_level_builds_fp8_modules_and_reverts():
         revert_liger_kernel_to_deepseek_v3()
     model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config())
     assert not mlps_and_experts(model)
+
+
+@pytest.mark.cuda
+def test_fp8_trains_a_bf16_model_on_cuda_close_to_the_bf16_patch():
+    if torch.cuda.get_device_capability() not in ((9, 0), (10, 0)):
+        pytest.skip("the FP8 grouped GEMMs run on compute capability 9.0 / 10.0")
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_deepseek_v3_config(**FP8_WIDTHS, hidden_size=64, attn_implementation="sdpa")
+    bf16_patched = DeepseekV3ForCausalLM(config).to("cuda", torch.bfloat16)
+    fp8_patched = copy.deepcopy(bf16_patched)
+    apply_liger_kernel_to_deepseek_v3(model=bf16_patched)
+    apply_liger_kernel_to_deepseek_v3(model=fp8_patched, fp8=True)
+    input_ids = torch.randint(0, 96, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    losses, gradients = [], []
+    for model in (bf16_patched, fp8_patched):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.float())
+        gradients.append(torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(losses[1], losses[0], rtol=PRODUCT_BOUND)
+    error = (gradients[1] - gradients[0]).norm() / gradients[0].norm()
+    assert torch.isfinite(gradients[1]).all() and 0 < error <= GRADIENT_BOUND, float(error)
