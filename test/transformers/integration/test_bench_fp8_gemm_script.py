@@ -19,9 +19,12 @@ def test_tiny_run_writes_rows_with_errors_within_the_formats(tmp_path):
     with open(tmp_path / "fp8_gemm_tiny.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["gemm"], r["impl"]) for r in rows] == [
-        ("linear", "bf16"), ("linear", "fp8"), ("experts", "bf16"), ("experts", "fp8")
+        ("linear", "bf16"), ("linear", "fp8"), ("linear", "weight quant"),
+        ("experts", "bf16"), ("experts", "fp8"), ("experts", "weight quant"),
     ]  # fmt: skip
     for row in rows:
+        if row["impl"] == "weight quant":  # a time only (none on a CPU)
+            continue
         error = float(row["rel_error"])
         # each operand element rounds by at most 2^-4 relative in e4m3 (3 mantissa bits), 2^-8 in bf16, and the
         # output once more in bf16: a product's relative error stays below twice the operand bound plus that
