@@ -210,8 +210,8 @@ for step in "$@"; do
           -m liger_dspine.cli train-drafter --tiny --drafter-parallel fsdp --target-parallel fsdp \
           --output-dir /tmp/train-drafter-fsdp $extra 2>&1 | tee -a "$OUT/train_drafter_fsdp.log" || break
       done ;;
-    # transformers' own model tests natively and patched (benchmark/transformers_model_tests.py), the four model
-    # types at once; TF_TREE: a transformers tree with tests/ (carry it), by default .tf-tree
+    # transformers' own model tests natively and patched (benchmark/transformers_model_tests.py), all eight runs
+    # at once; TF_TREE: a transformers tree with tests/ (carry it), by default .tf-tree
     transformers-tests)
       # its test_pipeline_mixin.py imports the tree's src/transformers: the installed one
       tree=${TF_TREE:-.tf-tree}
@@ -220,7 +220,7 @@ for step in "$@"; do
       limit=$(left)
       # USE_HUB_KERNELS=NO: no hub kernels (no network here), for the native and the patched run alike
       USE_HUB_KERNELS=NO timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "$tree" \
-        --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 4 --timeout $(((limit - 150) / 2)) \
+        --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 8 --timeout $((limit - 60)) \
         --out-dir "$OUT/transformers_model_tests"
       tar -C "$OUT" -czf "$OUT/transformers_model_tests.tar.gz" transformers_model_tests && rm -r "$OUT/transformers_model_tests" ;;
     *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter | bench-drafter-acceptance | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-step)" ;;

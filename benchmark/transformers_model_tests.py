@@ -13,7 +13,7 @@ run's JUnit XML and log to ``<out-dir>/<model>_{native,patched}.xml|.log``.
 
     python benchmark/transformers_model_tests.py --tree ~/src/transformers --models deepseek_v3
     python benchmark/transformers_model_tests.py --tree ~/src/transformers --pytest-args "-k moe"
-    python benchmark/transformers_model_tests.py --tree ~/src/transformers --jobs 4 --timeout 240   # on a GPU
+    python benchmark/transformers_model_tests.py --tree ~/src/transformers --jobs 8 --timeout 240   # on a GPU
 """
 
 import argparse
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=None, help="seconds per pytest run; past it, the tests that finished count"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="model types run at once, each in its own processes")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest runs at once (natively and patched: two a model)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit(f"liger-dspine: --jobs must be at least 1, got {args.jobs}")
@@ -211,16 +211,18 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as plugin_dir:
         (Path(plugin_dir) / f"{PLUGIN_NAME}.py").write_text(PLUGIN)
 
-        def run_model(model: str) -> tuple[str, RunResult, RunResult]:
-            native = run_pytest(tree, model, False, out_dir, Path(plugin_dir), args)
-            patched = run_pytest(tree, model, True, out_dir, Path(plugin_dir), args)
-            (out_dir / f"{model}_regressions.txt").write_text("".join(f"{n}\n" for n in regressions(native, patched)))
-            return model, native, patched
+        def run(job: tuple[str, bool]) -> RunResult:
+            model, patched = job
+            return run_pytest(tree, model, patched, out_dir, Path(plugin_dir), args)
 
+        jobs = [(model, patched) for model in models for patched in (False, True)]
         with ThreadPoolExecutor(args.jobs) as pool:
-            for row in pool.map(run_model, models):
-                rows.append(row)
-                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+            results = dict(zip(jobs, pool.map(run, jobs)))
+        for model in models:
+            native, patched = results[model, False], results[model, True]
+            (out_dir / f"{model}_regressions.txt").write_text("".join(f"{n}\n" for n in regressions(native, patched)))
+            rows.append((model, native, patched))
+            print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))
     print(f"\nnode ids of the tests passing natively and failing patched: {out_dir}/<model>_regressions.txt")
