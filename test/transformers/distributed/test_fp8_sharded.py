@@ -1,0 +1,82 @@
+"""``fp8=True`` under FSDP2 on two gloo ranks, against one process running the same two half batches.
+
+FP8 scales depend on what a GEMM sees: the weight gradient scales each feature over the tokens of its operands, so a
+rank's half batch gets other scales than the whole batch would. The reference is therefore one process with the same
+fp8 patch taking the two halves one after the other (gradients accumulated, then halved, as FSDP2's mean reduction
+gives them). FSDP2 gathers each weight whole around the FP8 GEMMs, so the ranks must match it to fp32 rounding.
+"""
+
+import pytest
+import torch
+
+from one_process_reference import assert_matches
+from one_process_reference import batch
+from one_process_reference import gathered_grads
+from spawned_ranks import run_on_gloo_ranks
+from tiny_models import build_model
+from tiny_models import tiny_deepseek_v3_config
+
+pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
+BATCH = 4
+WORLD_SIZE = 2
+# every FP8 GEMM's dims multiples of 16 (kv_a_proj_with_mqa: kv_lora_rank + rope)
+FP8_WIDTHS = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
+
+
+def _rows(rank: int) -> slice:
+    return slice(rank * BATCH // WORLD_SIZE, (rank + 1) * BATCH // WORLD_SIZE)
+
+
+def _fsdp2_fp8(rank, world_size, path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import DeepseekV3ForCausalLM
+
+    import liger_dspine
+    from liger_dspine.modules.swiglu import LigerFP8SwiGLUMLP
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer.mlp, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model, fp8=True)
+    input_ids, labels = batch(model.config, BATCH)
+    out = model(input_ids[_rows(rank)], labels=labels[_rows(rank)])
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    return {
+        "loss": loss / world_size,
+        "grads": gathered_grads(model),
+        "fp8_mlp": isinstance(model.model.layers[0].mlp, LigerFP8SwiGLUMLP),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(saved model path, loss and gradients of one fp8-patched process over the two half batches)."""
+    import liger_dspine
+
+    folder = tmp_path_factory.mktemp("tiny_v3_fp8")
+    config = tiny_deepseek_v3_config(**FP8_WIDTHS)
+    model = build_model(config)
+    model.save_pretrained(folder)
+    liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model.train(), fp8=True)
+    input_ids, labels = batch(config, BATCH)
+    losses = []
+    for rank in range(WORLD_SIZE):
+        out = model(input_ids[_rows(rank)], labels=labels[_rows(rank)])
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    grads = {name: p.grad / WORLD_SIZE for name, p in model.named_parameters()}
+    return str(folder), torch.stack(losses).mean(), grads
+
+
+def test_fp8_under_fsdp2_matches_one_process_on_the_same_halves(tmp_path, reference):
+    path, loss, grads = reference
+    result = run_on_gloo_ranks(tmp_path, WORLD_SIZE, _fsdp2_fp8, path)
+    assert result["fp8_mlp"]
+    assert_matches(result, loss, grads)
