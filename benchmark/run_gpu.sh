@@ -26,6 +26,7 @@
 #   PYTEST_ARGS    extra arguments of pytest (split on spaces)
 #   PROFILE_MODEL / PROFILE_IMPLS / PROFILE_OPTIONS  profile-family's model (deepseek_v2), implementations
 #                  ("hf liger-dspine") and liger-dspine options (JSON; hf ignores them)
+#   TF_TESTS_TIMEOUT_S  transformers-tests: seconds per pytest run (default: what is left, less 60)
 #   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"; convergence
 #                  runs "bf16 and (PYTEST_K)"
 set -u -o pipefail
@@ -220,7 +221,7 @@ for step in "$@"; do
       limit=$(left)
       # USE_HUB_KERNELS=NO: no hub kernels (no network here), for the native and the patched run alike
       USE_HUB_KERNELS=NO timeout -k 10 $((limit - 5)) $PYTHON benchmark/transformers_model_tests.py --tree "$tree" \
-        --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 8 --timeout $((limit - 60)) \
+        --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 8 --timeout "${TF_TESTS_TIMEOUT_S:-$((limit - 60))}" \
         --out-dir "$OUT/transformers_model_tests"
       tar -C "$OUT" -czf "$OUT/transformers_model_tests.tar.gz" transformers_model_tests && rm -r "$OUT/transformers_model_tests" ;;
     *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter | bench-drafter-acceptance | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-step)" ;;
