@@ -233,7 +233,8 @@ def quantize_rowwise_reference(x: torch.Tensor, eps: float = EPS) -> tuple[torch
     """x [..., C] -> (q [..., C] float8_e4m3fn, scale [...] fp32), each row scaled by its amax / 448."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
-    scale = amax.clamp(min=eps) / FP8_MAX
+    # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal, which can round 1 ulp off
+    scale = amax.clamp(min=eps) / torch.full_like(amax, FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
