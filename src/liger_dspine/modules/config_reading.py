@@ -125,3 +125,21 @@ def runs_plain_linear(module: nn.Module) -> bool:
         module._backward_hooks,
     )
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and not any(hooks)
+
+
+# transformers' experts implementations the patched experts stand in for: the default grouped GEMMs, and the
+# reference loop (transformers' own fallback where grouped GEMMs cannot run); both compute the same products
+_EXPERTS_IMPLEMENTATIONS_TAKEN = (None, "eager", "grouped_mm")
+
+
+def check_experts_implementation(module, what: str) -> None:
+    """A ValueError when the model selects another of transformers' experts implementations
+    (``set_experts_implementation`` / ``experts_implementation=``, read from ``config._experts_implementation``),
+    which the patched experts would otherwise ignore."""
+    chosen = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if chosen not in _EXPERTS_IMPLEMENTATIONS_TAKEN:
+        raise ValueError(
+            f"liger-dspine: the model selects transformers' experts_implementation={chosen!r}, but its experts are "
+            f"{what}, which run this package's kernels: pass grouped_experts=False (and fused_experts=False) to the "
+            "patch to use transformers' implementation"
+        )

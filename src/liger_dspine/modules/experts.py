@@ -3,6 +3,7 @@ from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 from torch import nn
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.modules.config_reading import check_experts_implementation
 from liger_dspine.modules.config_reading import check_plain_swiglu
 from liger_dspine.modules.config_reading import expert_sizes
 from liger_dspine.modules.config_reading import unfused_activation_reason
@@ -51,6 +52,7 @@ class LigerFusedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         check_kernel_device(hidden_states, "LigerFusedExperts")
+        check_experts_implementation(self, "LigerFusedExperts")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_dim)
         index = top_k_index.reshape(-1, top_k_index.shape[-1]).to(torch.int32)

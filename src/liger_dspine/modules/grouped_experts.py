@@ -3,6 +3,7 @@ import types
 import torch
 from torch import nn
 
+from liger_dspine.modules.config_reading import check_experts_implementation
 from liger_dspine.modules.config_reading import check_silu
 from liger_dspine.modules.config_reading import expert_sizes
 from liger_dspine.modules.config_reading import swiglu_limit
@@ -129,6 +130,7 @@ class LigerGroupedExperts(nn.Module):
             rebind_expert_forward(module, types.MethodType(cls.forward, module))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        check_experts_implementation(self, type(self).__name__)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_dim)
         index = top_k_index.reshape(-1, top_k_index.shape[-1])
