@@ -33,10 +33,15 @@ def check_fp8_projection(linear: nn.Module, name: str) -> None:
         )
 
 
-def fp8_projection(linear: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
-    """``linear(x)`` with FP8 GEMMs (``linear`` a bias-free ``nn.Linear`` called ``name``; see
-    :func:`check_fp8_projection`)."""
+def call_as_fp8_projection(linear: nn.Module, name: str, function, *args):
+    """``function(*args)`` in place of ``linear``'s call, once :func:`check_fp8_projection` accepts it: inside the
+    module's hooks where a sharding engine gathers its weight, else directly. ``function`` reads ``linear.weight``."""
     check_fp8_projection(linear, name)
     if gathered_by_hooks(linear):
-        return call_through_hooks(linear, lambda rows: fp8_linear(rows, linear.weight), x)
-    return fp8_linear(x, linear.weight)
+        return call_through_hooks(linear, function, *args)
+    return function(*args)
+
+
+def fp8_projection(linear: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+    """``linear(x)`` with FP8 GEMMs (``linear`` a bias-free ``nn.Linear`` called ``name``)."""
+    return call_as_fp8_projection(linear, name, lambda rows: fp8_linear(rows, linear.weight), x)

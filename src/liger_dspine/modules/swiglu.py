@@ -6,7 +6,7 @@ from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
-from liger_dspine.modules.fp8_projection import check_fp8_projection
+from liger_dspine.modules.fp8_projection import call_as_fp8_projection
 from liger_dspine.modules.fp8_projection import fp8_projection
 from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.modules.parallel_state import call_through_hooks
@@ -111,11 +111,9 @@ class LigerSwiGLUMLP(nn.Module):
         limit = getattr(self, "limit", None)
         if limit is not None:
             return fp8_projection(self.down_proj, liger_clamped_silu_mul(gate, up, limit), "down_proj")
-        fused_down = self._fused_down(in_place=True, fp8=True)  # gate and up are this forward's own
-        check_fp8_projection(self.down_proj, "down_proj")
-        if gathered_by_hooks(self.down_proj):
-            return call_through_hooks(self.down_proj, fused_down, gate, up)
-        return fused_down(gate, up)
+        # gate and up are this forward's own: the backward may write their gradients over them
+        fused_down = self._fused_down(in_place=True, fp8=True)
+        return call_as_fp8_projection(self.down_proj, "down_proj", fused_down, gate, up)
 
 
 class LigerFP8SwiGLUMLP(LigerSwiGLUMLP):

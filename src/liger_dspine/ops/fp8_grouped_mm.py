@@ -33,8 +33,7 @@ import torch
 
 from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.first_order import first_order_only
-from liger_dspine.ops.fp8_linear import check_fp8_device
-from liger_dspine.ops.fp8_linear import check_multiple_of_16
+from liger_dspine.ops.fp8_linear import check_fp8_linear
 from liger_dspine.ops.fp8_quantize import quantize_columns
 from liger_dspine.ops.fp8_quantize import quantize_group_columns
 from liger_dspine.ops.fp8_quantize import quantize_rowwise
@@ -167,9 +166,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
             f"liger-dspine: FP8 grouped GEMM needs offs as [E = {weight.shape[0]}] int32 cumulative row ends, got "
             f"{offs.dtype} {tuple(offs.shape)}"
         )
-    check_multiple_of_16("FP8 grouped GEMM", K=weight.shape[2], N=weight.shape[1])
-    check_fp8_device(x.device, "FP8 grouped GEMM", GROUPED_FP8_CAPABILITIES)
     dtype = gemm_dtype(x, weight, "FP8 grouped GEMM")
-    if x.is_cuda and dtype != torch.bfloat16:
-        raise ValueError(f"liger-dspine: FP8 grouped GEMM on CUDA computes in bf16, got {dtype}")
+    check_fp8_linear(
+        x.device, dtype, "FP8 grouped GEMM", GROUPED_FP8_CAPABILITIES, K=weight.shape[2], N=weight.shape[1]
+    )
     return LigerFP8GroupedMMFunction.apply(x, weight, offs)

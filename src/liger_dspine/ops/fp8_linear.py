@@ -130,11 +130,11 @@ class LigerFP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight
 
 
-def check_fp8_linear(device: torch.device, dtype: torch.dtype, what: str, **dims: int) -> None:
-    """Refuse what the FP8 GEMMs cannot run: ``dims`` not multiples of 16, a GPU without FP8, bf16 not the GEMM
-    dtype on CUDA."""
+def check_fp8_linear(device: torch.device, dtype: torch.dtype, what: str, capabilities=None, **dims: int) -> None:
+    """Refuse what the FP8 GEMMs cannot run: ``dims`` not multiples of 16, a GPU without FP8 (or outside
+    ``capabilities``), bf16 not the GEMM dtype on CUDA."""
     check_multiple_of_16(what, **dims)
-    check_fp8_device(device, what)
+    check_fp8_device(device, what, capabilities)
     if device.type == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"liger-dspine: {what} on CUDA computes in bf16, got {dtype}")
 
