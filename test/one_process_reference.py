@@ -40,3 +40,34 @@ def assert_matches(result: dict, loss: torch.Tensor, grads: dict) -> None:
     assert result["grads"].keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(result["grads"][name], grad, **FP32, msg=name)
+
+
+def rank_rows(rank: int, world_size: int, rows: int) -> slice:
+    """A rank's share of a batch of ``rows`` rows."""
+    return slice(rank * rows // world_size, (rank + 1) * rows // world_size)
+
+
+def rank_step(model, rank: int, world_size: int, rows: int) -> dict:
+    """Forward and backward of this rank's share of the ``rows``-row batch: {"loss": the ranks' mean loss, "logits":
+    whether any came back, "grads": the gathered gradients}."""
+    import torch.distributed as dist
+
+    input_ids, labels = batch(model.config, rows)
+    share = rank_rows(rank, world_size, rows)
+    out = model(input_ids[share], labels=labels[share])
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    return {"loss": loss / world_size, "logits": out.logits is not None, "grads": gathered_grads(model)}
+
+
+def fully_shard_layers(model, world_size: int) -> None:
+    """FSDP2 by hand on a CPU mesh of ``world_size``: every MLP, every decoder layer, then the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer.mlp, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)

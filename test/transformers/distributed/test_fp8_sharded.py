@@ -11,7 +11,9 @@ import torch
 
 from one_process_reference import assert_matches
 from one_process_reference import batch
-from one_process_reference import gathered_grads
+from one_process_reference import fully_shard_layers
+from one_process_reference import rank_rows
+from one_process_reference import rank_step
 from spawned_ranks import run_on_gloo_ranks
 from tiny_models import build_model
 from tiny_models import tiny_deepseek_v3_config
@@ -23,36 +25,18 @@ WORLD_SIZE = 2
 FP8_WIDTHS = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)
 
 
-def _rows(rank: int) -> slice:
-    return slice(rank * BATCH // WORLD_SIZE, (rank + 1) * BATCH // WORLD_SIZE)
-
-
 def _fsdp2_fp8(rank, world_size, path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from transformers import DeepseekV3ForCausalLM
 
     import liger_dspine
     from liger_dspine.modules.swiglu import LigerFP8SwiGLUMLP
 
     model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer.mlp, mesh=mesh)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_layers(model, world_size)
     liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model, fp8=True)
-    input_ids, labels = batch(model.config, BATCH)
-    out = model(input_ids[_rows(rank)], labels=labels[_rows(rank)])
-    out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    return {
-        "loss": loss / world_size,
-        "grads": gathered_grads(model),
-        "fp8_mlp": isinstance(model.model.layers[0].mlp, LigerFP8SwiGLUMLP),
-    }
+    result = rank_step(model, rank, world_size, BATCH)
+    result["fp8_mlp"] = isinstance(model.model.layers[0].mlp, LigerFP8SwiGLUMLP)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +52,8 @@ def reference(tmp_path_factory):
     input_ids, labels = batch(config, BATCH)
     losses = []
     for rank in range(WORLD_SIZE):
-        out = model(input_ids[_rows(rank)], labels=labels[_rows(rank)])
+        share = rank_rows(rank, WORLD_SIZE, BATCH)
+        out = model(input_ids[share], labels=labels[share])
         out.loss.backward()
         losses.append(out.loss.detach())
     grads = {name: p.grad / WORLD_SIZE for name, p in model.named_parameters()}

@@ -14,31 +14,14 @@ import pytest
 import torch
 
 from one_process_reference import assert_matches
-from one_process_reference import batch
-from one_process_reference import gathered_grads
+from one_process_reference import fully_shard_layers
+from one_process_reference import rank_step
 from one_process_reference import saved_reference
 from spawned_ranks import run_on_gloo_ranks
 
 pytest.importorskip("transformers.distributed.fsdp", reason="transformers' FSDP2 plan")
 pytestmark = pytest.mark.slow  # spawned gloo ranks loading a model each: a minute or more
 BATCH = 4
-
-
-def _batch(config):
-    return batch(config, BATCH)
-
-
-def _step(model, rank, world_size):
-    import torch.distributed as dist
-
-    input_ids, labels = _batch(model.config)
-    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
-    out = model(input_ids[rows], labels=labels[rows])
-    out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    grads = gathered_grads(model)
-    return {"loss": loss / world_size, "logits": out.logits is not None, "grads": grads}
 
 
 def _plan(path, order, rank, world_size):
@@ -54,28 +37,22 @@ def _plan(path, order, rank, world_size):
         model = DeepseekV3ForCausalLM.from_pretrained(path, distributed_config=layout, dtype=torch.float32).train()
         if order == "instance":
             liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model)
-        return _step(model, rank, world_size)
+        return rank_step(model, rank, world_size, BATCH)
     finally:
         liger_dspine.revert_liger_kernel_to_deepseek_v3()
 
 
 def _by_hand(path, rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp import fully_shard
     from transformers import DeepseekV3ForCausalLM
 
     import liger_dspine
 
     model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer.mlp, mesh=mesh)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_layers(model, world_size)
     liger_dspine.apply_liger_kernel_to_deepseek_v3(model=model)
     mlp = model.model.layers[0].mlp
-    result = _step(model, rank, world_size)
+    result = rank_step(model, rank, world_size, BATCH)
     result["mlp_class"] = (type(mlp).__name__, isinstance(mlp, FSDPModule))
     liger_dspine.revert_liger_kernel_to_deepseek_v3(model=model)
     result["reverted_mlp_class"] = (type(mlp).__name__, isinstance(mlp, FSDPModule))

@@ -81,6 +81,14 @@ def assert_steps_close(actual, expected, what: str) -> None:
         assert_close(a, e, f"{what} step {step}")
 
 
+def assert_layers_close(actual, expected, what: str) -> None:
+    """Per-step, per-layer tensors (hidden states, attention weights) of a generate output."""
+    for step, (layers, native_layers) in enumerate(zip(actual, expected)):
+        assert len(layers) == len(native_layers)
+        for layer, (a, e) in enumerate(zip(layers, native_layers)):
+            assert_close(a, e, f"{what} step {step} layer {layer}")
+
+
 def generate_both(native, patched, *args, seed=None, **kwargs):
     """The same generate() call on each model (``seed``: torch.manual_seed before each)."""
     outputs = []
@@ -228,10 +236,7 @@ def test_hidden_states(models):
     )
     assert torch.equal(actual.sequences, expected.sequences)
     assert len(actual.hidden_states) == len(expected.hidden_states) == 2
-    for step, (layers, native_layers) in enumerate(zip(actual.hidden_states, expected.hidden_states)):
-        assert len(layers) == len(native_layers)
-        for layer, (a, e) in enumerate(zip(layers, native_layers)):
-            assert_close(a, e, f"hidden state step {step} layer {layer}")
+    assert_layers_close(actual.hidden_states, expected.hidden_states, "hidden state")
 
 
 def test_attention_weights(models):
@@ -250,11 +255,10 @@ def test_attention_weights(models):
     assert expected.attentions is not None and len(expected.attentions) == 2
     assert actual.attentions is not None, "the patched model returns no attentions"
     assert len(actual.attentions) == len(expected.attentions)
-    for step, (layers, native_layers) in enumerate(zip(actual.attentions, expected.attentions)):
-        assert len(layers) == len(native_layers) == case.config().num_hidden_layers
-        for layer, (a, e) in enumerate(zip(layers, native_layers)):
-            assert isinstance(e, torch.Tensor)
-            assert_close(a, e, f"attention weights step {step} layer {layer}")
+    for native_layers in expected.attentions:
+        assert len(native_layers) == case.config().num_hidden_layers
+        assert all(isinstance(e, torch.Tensor) for e in native_layers)
+    assert_layers_close(actual.attentions, expected.attentions, "attention weights")
 
 
 def test_class_level_patch_greedy_as_native():
