@@ -46,6 +46,8 @@ import torch.nn as nn
 from liger_dspine.modules.parallel_state import full_shape
 from liger_dspine.modules.parallel_state import rewrapped_class
 from liger_dspine.modules.parallel_state import unwrapped_class
+from liger_dspine.no_split_names import sync_class_attributes
+from liger_dspine.no_split_names import sync_instance
 
 logger = logging.getLogger(__name__)
 
@@ -458,7 +460,19 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
         _ORIGINALS.setdefault(key, current)
         setattr(holder, attribute, _bound_replacement(new, _ORIGINALS[key], attribute))
         report.replacements.append(Replacement(target, qualified_name(current), qualified_name(new)))
+    _sync_class_no_split_modules(spec)
     return report
+
+
+def _sync_class_no_split_modules(spec: PatchSpec) -> None:
+    """The spec's modeling modules' ``_no_split_modules`` name the replacement classes their globals now hold."""
+    renamed: dict[str, set[str]] = {}
+    for (module_name, name), original in _ORIGINALS.items():
+        current = vars(sys.modules[module_name]).get(name)
+        if isinstance(original, type) and isinstance(current, type) and current.__name__ != original.__name__:
+            renamed.setdefault(original.__name__, set()).add(current.__name__)
+    module_names = {spec.module} | {swap.module for swap in spec.swaps if swap.module}
+    sync_class_attributes([importlib.import_module(name) for name in sorted(module_names)], renamed)
 
 
 def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
@@ -495,6 +509,7 @@ def revert_class_level(spec: PatchSpec) -> list[str]:
             holder, attribute = _holder(swap, key)
             setattr(holder, attribute, _ORIGINALS.pop(key))
             restored.append(f"{key[0]}.{key[1]}")
+    _sync_class_no_split_modules(spec)
     return restored
 
 
@@ -560,6 +575,10 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             target = f"{swap.owner}.{swap.method} of the instance"
             native = original_method(swap.module or spec.module, swap.owner, swap.method)
             _record_conversions(report, target, native, new, converted, already)
+    converted_from = {
+        m: unwrapped_class(vars(m)[_CONVERTED_FROM]) for m in model.modules() if _CONVERTED_FROM in vars(m)
+    }
+    sync_instance(model, converted_from, lambda module: unwrapped_class(type(module)).__name__)
     return report
 
 
