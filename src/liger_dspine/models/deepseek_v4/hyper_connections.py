@@ -10,14 +10,16 @@ Here each step is one of this package's kernels, all with the token count as a r
 model, where liger-kernel 0.8.5's mHC kernels compile again for each new token count): the coefficients' projection
 and RMS factor (ops/mhc_projection.py: fp32 products as transformers', no fp32 copy of the streams), the split,
 sigmoids and Sinkhorn iterations (ops/mhc_coefficients.py, V4's order of normalisations), and the collapse and the
-residual mix (ops/mhc_streams.py, fp32 sums). Under ``torch.compile`` and where the kernels cannot run, the layer
-runs the native forward.
+residual mix (ops/mhc_streams.py, fp32 sums). Under ``torch.compile``, where the kernels cannot run, and where a
+hyper-connection module carries a forward or hooks of its own (accelerate's offload hooks of ``device_map="auto"``,
+which load its weights only when it is called), the layer runs the native forward, with a warning for the last.
 """
 
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
 
+from liger_dspine import patching
 from liger_dspine._interpreter import kernel_runs_on
 from liger_dspine.ops.mhc_coefficients import liger_mhc_coefficients
 from liger_dspine.ops.mhc_projection import liger_mhc_projection
@@ -60,9 +62,22 @@ class LigerDeepseekV4DecoderLayer(DeepseekV4DecoderLayer):
         streams = _mix(hidden_states, self.self_attn, self.attn_hc, self.input_layernorm, **kwargs)
         return _mix(streams, self.mlp, self.ffn_hc, self.post_attention_layernorm, input_ids=input_ids)
 
-    @staticmethod
-    def _liger_applies(hidden_states: torch.Tensor) -> bool:
-        return _kernels_apply(hidden_states)
+    def _liger_applies(self, hidden_states: torch.Tensor) -> bool:
+        if not _kernels_apply(hidden_states):
+            return False
+        hooked = [name for name in ("attn_hc", "ffn_hc") if _runs_its_own_call(getattr(self, name))]
+        if hooked:
+            patching.warn_kept_native(
+                "DeepseekV4DecoderLayer's hyper-connections (for LigerDeepseekV4DecoderLayer)",
+                f"{' and '.join(hooked)} carry a forward or hooks of their own (accelerate's offload hooks load "
+                "weights only when the module is called), which the mHC kernels would bypass",
+            )
+            return False
+        return True
+
+
+def _runs_its_own_call(module: torch.nn.Module) -> bool:
+    return "forward" in vars(module) or bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 class LigerDeepseekV4HyperHead(DeepseekV4HyperHead):
