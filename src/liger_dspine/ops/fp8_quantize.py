@@ -24,8 +24,9 @@ merged with integer atomic maxima on the fp32 bits, which order like the values 
 deterministic), then the values. The group-column kernel runs one program per (64 columns, group) over the group's
 rows, reading them twice likewise.
 
-Rounding is done in the kernel, on fp32 bits, before the (then exact) cast to e4m3: Triton's CPU interpreter rounds
-fp32 -> e4m3 wrongly (ties away from zero, and a lost carry into the exponent near powers of two). The results are
+On a GPU the fp32 -> e4m3 conversion is the hardware's, rounding to nearest-even. Under the interpreter rounding is
+done in the kernel, on fp32 bits, before the (then exact) cast to e4m3: Triton's CPU interpreter rounds fp32 -> e4m3
+wrongly (ties away from zero, and a lost carry into the exponent near powers of two). The results are
 bit-identical to :func:`quantize_rowwise_reference` (torch's own cast) under the interpreter, and on GPUs (the CUDA
 test of test_fp8_quantize.py checks it at DeepSeek-V3 widths). On a CPU without the interpreter, and for bf16 on a
 CPU (which the interpreter cannot compute), the ops run the torch reference.
@@ -54,7 +55,9 @@ _ROWS_PER_PROGRAM = 256  # column kernels: rows of one program (a [256, 64] bloc
 
 @triton.jit
 def _to_e4m3(y):
-    """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3's grid and cast (exactly) to e4m3."""
+    """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3 (on a GPU the hardware's conversion does it)."""
+    if not _INTERPRETED:
+        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     a = tl.abs(y)
     bits = a.to(tl.int32, bitcast=True)
     # normal range: keep 3 of the 23 mantissa bits, ties to even (a carry moves into the exponent)
@@ -62,6 +65,9 @@ def _to_e4m3(y):
     subnormal = (a + 16384.0) - 16384.0  # multiples of 2^-9: the ulp of fp32 at 2^14
     r = tl.where(a < 0.015625, subnormal, normal)
     return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r).to(tl.float8e4nv)
+
+
+_INTERPRETED = tl.constexpr(not isinstance(_to_e4m3, triton.runtime.JITFunction))
 
 
 @triton.jit

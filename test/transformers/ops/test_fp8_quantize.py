@@ -53,6 +53,14 @@ def codes(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)
 
 
+def assert_same_quantisation(q, scale, ref_q, ref_scale) -> None:
+    """Equal scales and equal e4m3 codes; the message names the first codes that differ."""
+    assert torch.equal(scale, ref_scale), f"{(scale != ref_scale).sum().item()} scales differ"
+    differ = (codes(q) != codes(ref_q)).nonzero()
+    shown = [(tuple(i), q[tuple(i)].item(), ref_q[tuple(i)].item()) for i in differ[:5].tolist()]
+    assert len(differ) == 0, f"{len(differ)} codes differ (index, kernel, reference): {shown}"
+
+
 def spread(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Values over nine decades per row (so subnormal e4m3 codes occur), a zero row, a -0 and exact ties."""
     generator = torch.Generator().manual_seed(seed)
@@ -161,16 +169,10 @@ def test_bad_inputs():
 def test_kernels_match_reference_on_cuda_bf16():
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 7168, device="cuda", generator=generator).mul_(3).bfloat16()
-    q, scale = quantize_rowwise(x)
-    ref_q, ref_scale = quantize_rowwise_reference(x)
-    assert torch.equal(scale, ref_scale) and torch.equal(codes(q), codes(ref_q))
-    q, scale = quantize_columns(x)
-    ref_q, ref_scale = quantize_columns_reference(x)
-    assert torch.equal(scale, ref_scale) and torch.equal(codes(q), codes(ref_q))
+    assert_same_quantisation(*quantize_rowwise(x), *quantize_rowwise_reference(x))
+    assert_same_quantisation(*quantize_columns(x), *quantize_columns_reference(x))
     w = torch.randn(8, 2048, 7168, device="cuda", generator=generator).bfloat16()
-    q, scale = quantize_columns(w)
-    ref_q, ref_scale = quantize_columns_reference(w)
-    assert torch.equal(scale, ref_scale) and torch.equal(codes(q), codes(ref_q))
+    assert_same_quantisation(*quantize_columns(w), *quantize_columns_reference(w))
     counts = torch.tensor([700, 0, 1, 1500, 16, 900, 0, 979])
     offs = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
     q, scale, ends = quantize_group_columns(x, offs)
