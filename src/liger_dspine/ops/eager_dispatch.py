@@ -39,6 +39,7 @@ class EagerDirectCustomOp:
 
     def __call__(self, *args, **kwargs):
         if not _direct_call_allowed(args, kwargs):
+            _check_not_partly_meta(getattr(self._op, "_qualname", self.__name__), args, kwargs)
             return self._op(*args, **kwargs)
         out = self._fn(*args, **kwargs)
         for name, index in self._mutated:
@@ -83,4 +84,27 @@ def _direct_call_allowed(args, kwargs) -> bool:
 def _plain(value, grad: bool) -> bool:
     if not isinstance(value, torch.Tensor):
         return True
-    return type(value) in _PLAIN and not (grad and value.requires_grad)
+    return type(value) in _PLAIN and not (grad and value.requires_grad) and not value.is_meta
+
+
+def _tensors(args, kwargs):
+    for values in (args, kwargs.values()):
+        for value in values:
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def _check_not_partly_meta(name: str, args, kwargs) -> None:
+    """Refuse a call mixing tensors with data and tensors on the meta device (a weight not loaded yet: deferred
+    initialisation, or an offloading hook that loads it only when its own module is called). A kernel would read
+    through a null pointer; all-meta calls run the op's fake implementation."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return
+    devices = {t.device.type for t in _tensors(args, kwargs) if type(t) in _PLAIN}
+    if "meta" in devices and len(devices) > 1:
+        others = ", ".join(sorted(devices - {"meta"}))
+        raise ValueError(
+            f"liger-dspine: {name} got tensors on the meta device (weights not loaded) beside tensors on {others}; "
+            "load or materialise the weights before running the model"
+        )

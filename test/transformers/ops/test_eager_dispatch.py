@@ -105,3 +105,14 @@ def test_jit_trace_records_the_op():
 def test_mutated_arguments_must_be_named():
     with pytest.raises(ValueError, match="must name the arguments"):
         liger_custom_op("liger_dspine_test::bad", mutates_args="unknown")
+
+
+def test_meta_tensors_run_the_fake_and_a_meta_weight_beside_data_is_refused():
+    """All on the meta device (shape inference): the fake implementation, no kernel. A meta weight beside a tensor
+    with data (a weight an offloading hook has not loaded) would send a null pointer to a kernel: a clear error."""
+    CALLS.clear()
+    out = scaled_copy(torch.empty(3, 4, device="meta"), 2.0)
+    assert out.device.type == "meta" and out.shape == (3, 4) and CALLS == []
+    with pytest.raises(ValueError, match=r"liger_dspine_test::add_into_ got tensors on the meta device .* beside "):
+        add_into_(torch.zeros(3, 4), torch.empty(3, 4, device="meta"))
+    assert not _direct_call_allowed((torch.empty(2, device="meta"),), {})
