@@ -54,20 +54,29 @@ _ROWS_PER_PROGRAM = 256  # column kernels: rows of one program (a [256, 64] bloc
 
 
 @triton.jit
-def _to_e4m3(y):
-    """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3 (on a GPU the hardware's conversion does it)."""
-    if not _INTERPRETED:
+def _interpreter_probe():
+    pass
+
+
+if is_interpreted(_interpreter_probe):
+
+    @triton.jit
+    def _to_e4m3(y):
+        """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3's grid and cast (exactly) to e4m3."""
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        # normal range: keep 3 of the 23 mantissa bits, ties to even (a carry moves into the exponent)
+        normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+        subnormal = (a + 16384.0) - 16384.0  # multiples of 2^-9: the ulp of fp32 at 2^14
+        r = tl.where(a < 0.015625, subnormal, normal)
+        return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r).to(tl.float8e4nv)
+
+else:
+
+    @triton.jit
+    def _to_e4m3(y):
+        """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3 by the hardware's conversion."""
         return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    a = tl.abs(y)
-    bits = a.to(tl.int32, bitcast=True)
-    # normal range: keep 3 of the 23 mantissa bits, ties to even (a carry moves into the exponent)
-    normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
-    subnormal = (a + 16384.0) - 16384.0  # multiples of 2^-9: the ulp of fp32 at 2^14
-    r = tl.where(a < 0.015625, subnormal, normal)
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r).to(tl.float8e4nv)
-
-
-_INTERPRETED = tl.constexpr(not isinstance(_to_e4m3, triton.runtime.JITFunction))
 
 
 @triton.jit
