@@ -94,10 +94,10 @@ def test_training_step_matches_native(monkeypatch):
 
 def test_compiled_layer_runs_the_native_forward(monkeypatch):
     """liger-kernel's mHC functions are no registered ops: under torch.compile the layer is the native one."""
-    from liger_dspine.models.deepseek_v4.hyper_connections import LigerDeepseekV4DecoderLayer
-
+    _, patched = build_pair()
+    layer = CASE.decoder_of(patched).layers[0]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not LigerDeepseekV4DecoderLayer._liger_applies(torch.zeros(1))
+    assert not layer._liger_applies(torch.zeros(1))
 
 
 @pytest.mark.cuda
