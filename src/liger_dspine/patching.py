@@ -471,8 +471,9 @@ def _sync_class_no_split_modules(spec: PatchSpec) -> None:
         current = vars(sys.modules[module_name]).get(name)
         if isinstance(original, type) and isinstance(current, type) and current.__name__ != original.__name__:
             renamed.setdefault(original.__name__, set()).add(current.__name__)
+    # a modeling module not imported yet holds no swap (and this transformers may not have it)
     module_names = {spec.module} | {swap.module for swap in spec.swaps if swap.module}
-    sync_class_attributes([importlib.import_module(name) for name in sorted(module_names)], renamed)
+    sync_class_attributes([sys.modules[name] for name in sorted(module_names) if name in sys.modules], renamed)
 
 
 def _undo_class_swap(spec: PatchSpec, swap, report: PatchReport) -> None:
