@@ -290,6 +290,15 @@ class FamilyCase:
         return getattr(liger_dspine, f"revert_liger_kernel_to_{self.model_type}")
 
 
+def own_no_split_lists(modeling) -> dict[type, object]:
+    """The classes a modeling module defines with a ``_no_split_modules`` of their own, with that list."""
+    return {
+        cls: vars(cls)["_no_split_modules"]
+        for cls in vars(modeling).values()
+        if isinstance(cls, type) and cls.__module__ == modeling.__name__ and "_no_split_modules" in vars(cls)
+    }
+
+
 def _moe_swaps(prefix: str) -> tuple[str, ...]:
     return (f"{prefix}Experts", f"{prefix}TopkRouter", f"{prefix}MoE.route_tokens_to_experts")
 

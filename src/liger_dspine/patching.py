@@ -46,6 +46,7 @@ import torch.nn as nn
 from liger_dspine.modules.parallel_state import full_shape
 from liger_dspine.modules.parallel_state import rewrapped_class
 from liger_dspine.modules.parallel_state import unwrapped_class
+from liger_dspine.no_split_names import renamed_classes
 from liger_dspine.no_split_names import sync_class_attributes
 from liger_dspine.no_split_names import sync_instance
 
@@ -466,11 +467,10 @@ def apply_class_level(spec: PatchSpec, options: dict[str, bool]) -> PatchReport:
 
 def _sync_class_no_split_modules(spec: PatchSpec) -> None:
     """The spec's modeling modules' ``_no_split_modules`` name the replacement classes their globals now hold."""
-    renamed: dict[str, set[str]] = {}
-    for (module_name, name), original in _ORIGINALS.items():
-        current = vars(sys.modules[module_name]).get(name)
-        if isinstance(original, type) and isinstance(current, type) and current.__name__ != original.__name__:
-            renamed.setdefault(original.__name__, set()).add(current.__name__)
+    held = (
+        (original, vars(sys.modules[module_name]).get(name)) for (module_name, name), original in _ORIGINALS.items()
+    )
+    renamed = renamed_classes((old, new) for old, new in held if isinstance(old, type) and isinstance(new, type))
     # a modeling module not imported yet holds no swap (and this transformers may not have it)
     module_names = {spec.module} | {swap.module for swap in spec.swaps if swap.module}
     sync_class_attributes([sys.modules[name] for name in sorted(module_names) if name in sys.modules], renamed)
@@ -576,10 +576,10 @@ def apply_to_instance(spec: PatchSpec, options: dict[str, bool], model: nn.Modul
             target = f"{swap.owner}.{swap.method} of the instance"
             native = original_method(swap.module or spec.module, swap.owner, swap.method)
             _record_conversions(report, target, native, new, converted, already)
-    converted_from = {
-        m: unwrapped_class(vars(m)[_CONVERTED_FROM]) for m in model.modules() if _CONVERTED_FROM in vars(m)
-    }
-    sync_instance(model, converted_from, lambda module: unwrapped_class(type(module)).__name__)
+    converted = (m for m in model.modules() if _CONVERTED_FROM in vars(m))
+    sync_instance(
+        model, renamed_classes((unwrapped_class(vars(m)[_CONVERTED_FROM]), unwrapped_class(type(m))) for m in converted)
+    )
     return report
 
 

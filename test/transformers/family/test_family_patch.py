@@ -19,6 +19,7 @@ from liger_dspine.modules.rms_norm import LigerRMSNorm  # noqa: E402
 from liger_dspine.modules.swiglu import LigerSwiGLUMLP  # noqa: E402
 from liger_dspine.registry import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
 from tiny_family import CASES  # noqa: E402
+from tiny_family import own_no_split_lists  # noqa: E402
 
 pytestmark = pytest.mark.matrix  # runs against every transformers version of the matrix that has the model
 
@@ -302,12 +303,10 @@ def no_split_lists_naming_swapped_classes(case) -> set[str]:
     there (``device_map="auto"`` and FSDP find blocks by class name)."""
     swapped = set(case.swapped_here)
     return {
-        f"{m.__name__}.{name}._no_split_modules"
+        f"{m.__name__}.{cls.__name__}._no_split_modules"
         for m in modelings(case)
-        for name, cls in vars(m).items()
-        if isinstance(cls, type)
-        and cls.__module__ == m.__name__
-        and swapped & set(vars(cls).get("_no_split_modules") or ())
+        for cls, names in own_no_split_lists(m).items()
+        if swapped & set(names or ())
     }
 
 

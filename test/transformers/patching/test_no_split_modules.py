@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tiny_family import CASES  # noqa: E402
+from tiny_family import own_no_split_lists  # noqa: E402
 
 NATIVE_ATTRIBUTE = "_liger_dspine_native_no_split_modules"
 
@@ -20,37 +21,30 @@ def blocks(model) -> list[str]:
     return [path for path, module in model.named_modules() if type(module).__name__ in names]
 
 
-def own_lists(modeling) -> dict[type, object]:
-    return {
-        cls: vars(cls)["_no_split_modules"]
-        for cls in vars(modeling).values()
-        if isinstance(cls, type) and cls.__module__ == modeling.__name__ and "_no_split_modules" in vars(cls)
-    }
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    return CASES[request.param]
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("model_type", sorted(CASES))
-def test_class_level_patch_keeps_every_block_named(model_type):
-    case = CASES[model_type]
+def test_class_level_patch_keeps_every_block_named(case):
     modeling = case.modeling_or_skip()
-    before = own_lists(modeling)
+    before = own_no_split_lists(modeling)
     native_blocks = blocks(case.build())
-    assert native_blocks, f"{model_type}: the native model has no block that _no_split_modules names"
+    assert native_blocks, f"{case.model_type}: the native model has no block that _no_split_modules names"
     case.apply_fn()()
     try:
         patched = case.build()
         assert blocks(patched) == native_blocks
     finally:
         case.revert_fn()()
-    after = own_lists(modeling)
+    after = own_no_split_lists(modeling)
     assert after.keys() == before.keys()
-    assert all(after[cls] is before[cls] for cls in before), f"{model_type}: a _no_split_modules list not restored"
+    assert all(after[cls] is before[cls] for cls in before), f"{case.model_type}: a _no_split_modules list not restored"
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("model_type", sorted(CASES))
-def test_instance_patch_keeps_every_block_named_and_reverts(model_type):
-    case = CASES[model_type]
+def test_instance_patch_keeps_every_block_named_and_reverts(case):
     model = case.build()
     native_blocks = blocks(model)
     holders = [m for m in model.modules() if "_no_split_modules" in vars(m)]
