@@ -6,6 +6,11 @@ by cProfile, synchronisations). Memory: a census of the tensors autograd saves f
 
     python benchmark/profile_step.py --impl liger-dspine --layers 8 --seq 4096 [--options JSON]
     python benchmark/profile_step.py --model deepseek_v2 --impl hf --layers 2 --seq 4096   # bench_family.py's widths
+    python benchmark/profile_step.py --layers 2 --compile --peak-blocks   # torch.compile'd; what is live at the peak
+
+With ``--compile`` the step runs ``torch.compile(model)`` (inductor): the census of saved tensors is left out (the
+compiled graph saves its own), and ``--peak-blocks`` lists the allocations live at the step's memory peak with the
+code that made them (inductor's generated code included).
 """
 
 import argparse
@@ -198,6 +203,39 @@ def print_python(torch, step, top: int) -> None:
     print(text.getvalue().strip())
 
 
+def _frame_label(frame) -> str:
+    import linecache
+
+    source = linecache.getline(frame["filename"], frame["line"]).strip()
+    return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}: {source[:80]}"
+
+
+def print_peak_blocks(torch, step, top: int) -> None:
+    """The allocations of one step live at its memory peak (above what was allocated before the step), largest
+    first, each with the innermost frames of the package, transformers or inductor's generated code."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500000)
+    step()
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    live, current, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+    keep = ("liger_dspine", "transformers", "torchinductor", "_functorch", "benchmark")
+    print(f"\n## allocations live at the step's peak: {peak / 2**30:.2f} GiB above the step's start")
+    for event in sorted(at_peak.values(), key=lambda e: -e["size"])[:top]:
+        frames = [f for f in event.get("frames", []) if any(k in f["filename"] for k in keep)]
+        print(f"{event['size'] / 2**20:10.1f} MiB  " + "\n                ".join(_frame_label(f) for f in frames[:3]))
+
+
 def _memory_trace(torch, model, ids) -> None:
     """Allocated memory and the peak so far when each decoder layer and its attention / MLP block starts and ends,
     in forward and in backward: where the step's peak happens."""
@@ -241,6 +279,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--no-time", action="store_true", help="memory only: skip the profiled step")
     parser.add_argument("--memory-trace", action="store_true", help="memory at each layer / block boundary")
+    parser.add_argument("--compile", action="store_true", help="profile torch.compile(model) (inductor)")
+    parser.add_argument("--peak-blocks", action="store_true", help="the allocations live at the step's peak")
     args = parser.parse_args()
 
     import torch
@@ -271,8 +311,10 @@ def main() -> int:
     model.train()
     ids = torch.randint(0, config.vocab_size, (1, args.seq), device="cuda")
 
+    run = torch.compile(model) if args.compile else model
+
     def forward():
-        return model(input_ids=ids, labels=ids).loss
+        return run(input_ids=ids, labels=ids).loss
 
     def backward(loss):
         loss.backward()
@@ -289,8 +331,11 @@ def main() -> int:
     pack, saved = saved_tensor_census(torch)
 
     torch.cuda.reset_peak_memory_stats()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
+    if args.compile:
+        loss = forward()
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward()
     torch.cuda.synchronize()
     after_forward, forward_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -304,7 +349,10 @@ def main() -> int:
     )
     for p in model.parameters():
         p.grad = None
-    print_saved(saved, args.top, f"{args.impl} {args.layers}L/{args.seq}")
+    if not args.compile:
+        print_saved(saved, args.top, f"{args.impl} {args.layers}L/{args.seq}")
+    if args.peak_blocks:
+        print_peak_blocks(torch, step, args.top)
 
     if args.memory_trace:
         _memory_trace(torch, model, ids)

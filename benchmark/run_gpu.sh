@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
 #         | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-step
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
@@ -127,6 +127,12 @@ for step in "$@"; do
         --impl liger-dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl liger-dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
+    # the DeepSeek-V3 step of bench-compile (2 layers, 4096), eager and torch.compile'd: kernels and the peak's blocks
+    profile-compile-step)
+      for mode in "" --compile; do
+        LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py --impl liger-dspine \
+          --layers 2 --seq 4096 --peak-blocks $mode 2>&1 | tee "$OUT/profile_compile_step${mode:+_compiled}.txt"
+      done ;;
     # a DeepSeek-family step at the family benchmark's depth and widths, 4096 tokens, transformers and liger-dspine
     # (with the benchmark's options); PROFILE_MODEL picks the model (default deepseek_v2)
     profile-family)

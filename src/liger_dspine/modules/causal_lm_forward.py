@@ -42,6 +42,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine.modules.backward_guard import SecondPassGuard
 from liger_dspine.modules.backward_guard import refuse_later_passes
+from liger_dspine.modules.causal_mask import plain_causal_kwargs
+from liger_dspine.modules.compiled_embedding import compiled_input_embeddings
 from liger_dspine.modules.head_checks import unfused_head_reason
 from liger_dspine.modules.label_checks import IGNORE_INDEX
 from liger_dspine.modules.label_checks import checked_labels
@@ -186,6 +188,7 @@ def _causal_lm_forward(
             shift_labels, labels_checked = checked_labels(shift_labels, vocab, ignore_index)
     asked_fused, skip_logits = skip_logits is True, _fused_choice(self, fused, skip_logits, has_labels)
 
+    input_ids, inputs_embeds = compiled_input_embeddings(self, input_ids, inputs_embeds)
     outputs = self.model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -193,6 +196,7 @@ def _causal_lm_forward(
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
         **kwargs,
+        **plain_causal_kwargs(self.config, attention_mask, position_ids, kwargs),
     )
     hidden_states = outputs.last_hidden_state
     if skip_logits:  # FSDP2 gathers a head grouped with the final norm when the norm runs: read it now

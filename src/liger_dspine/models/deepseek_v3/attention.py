@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
+from liger_dspine.modules.causal_mask import take_plain_causal
 from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.fp8_projection import fp8_projection
 
@@ -91,6 +92,7 @@ class LigerMLAAttention:
         """
         if cache is None:
             cache = past_key_values
+        plain_causal = take_plain_causal(kwargs)
         cos, sin = self._liger_angles(position_embeddings)
         layout = self._liger_rope_layout()
         if layout is None or cos.requires_grad or sin.requires_grad:
@@ -125,9 +127,12 @@ class LigerMLAAttention:
             # The cache takes the turned rope key and returns every position's latents (outside any recompute).
             kv_nope, k_rot = self._liger_cache_latents(kv_nope, k_rot, cos, sin, cache, kwargs, layout)
             key_angles = (None, None)
+        model_mask = attention_mask
         attention_mask, kwargs, selected = self._liger_select_keys(
             hidden_states, q_latent, position_embeddings, attention_mask, cache, kwargs, k_rot.shape[-2]
         )
+        if plain_causal and attention_mask is model_mask and self._liger_sdpa_is_causal():
+            attention_mask = None  # the model's mask is the causal one: sdpa's is_causal (modules/causal_mask.py)
 
         def core(q_latent, kv_nope, k_rot, q_weight=None, kv_weight=None):
             return self._liger_attention_core(
@@ -150,6 +155,10 @@ class LigerMLAAttention:
         attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
         attn_output = self._liger_linear(self.o_proj, attn_output, "o_proj")
         return self._liger_outputs(attn_output, attn_weights, selected)
+
+    def _liger_sdpa_is_causal(self) -> bool:
+        """Whether this layer's attention is sdpa with ``is_causal``, which a missing mask turns on."""
+        return self.config._attn_implementation == "sdpa" and getattr(self, "is_causal", True)
 
     def _liger_linear(self, linear: torch.nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
         """``linear(x)``, with its GEMMs in FP8 when the class says so."""

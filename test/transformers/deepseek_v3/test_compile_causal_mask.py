@@ -1,0 +1,99 @@
+"""torch.compile of a patched DeepSeek-V3 on sdpa: no materialised causal mask where the mask can only be causal.
+
+Some torch releases (2.11) fold ``torch.compiler.is_exporting()`` to True under dynamo, and transformers then builds
+the [S, S] causal mask in every compiled step instead of leaving sdpa its ``is_causal``. The tests reproduce that by
+making transformers' exporting check answer True while compiling, read the sdpa calls out of the graph dynamo
+captured, and compare the compiled loss and gradients with the native eager model's.
+"""
+
+import copy
+
+import pytest
+import torch
+import transformers.masking_utils as masking_utils
+
+from liger_dspine import apply_liger_kernel_to_deepseek_v3
+from tiny_models import assert_grads_close
+from tiny_models import build_model
+from tiny_models import labels_with_ignored
+from tiny_models import loss_and_grads
+from tiny_models import random_batch
+from tiny_models import tiny_deepseek_v3_config
+
+pytestmark = pytest.mark.slow  # dynamo over the interpreter's kernels
+
+SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+
+
+@pytest.fixture(scope="module")
+def native_model():
+    return build_model(tiny_deepseek_v3_config(attn_implementation="sdpa"))
+
+
+@pytest.fixture(scope="module")
+def batch(native_model):
+    input_ids, _ = random_batch(native_model.config, batch=2, seq=6, seed=3)
+    return input_ids, labels_with_ignored(input_ids)
+
+
+@pytest.fixture
+def exporting_while_compiling(monkeypatch):
+    """transformers' exporting check answers as those torch releases make it answer under dynamo."""
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
+
+
+def compiled_step(model, *args, **kwargs):
+    """(output, grads, [(attn_mask is None, is_causal) of each sdpa call in the captured graph])."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in SDPA:
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is None, bool(node.kwargs.get("is_causal", False))))
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out, grads, calls
+
+
+def test_compiled_step_takes_is_causal_and_gives_the_native_loss_and_grads(
+    native_model, batch, exporting_while_compiling
+):
+    input_ids, labels = batch
+    native, native_grads = loss_and_grads(copy.deepcopy(native_model).train(), input_ids, labels=labels)
+    model = copy.deepcopy(native_model).train()
+    apply_liger_kernel_to_deepseek_v3(model=model)
+
+    out, grads, calls = compiled_step(model, input_ids, labels=labels)
+
+    layers = native_model.config.num_hidden_layers
+    assert calls == [(True, True)] * layers
+    torch.testing.assert_close(out.loss, native.loss, atol=1e-5, rtol=1e-5)
+    assert_grads_close(grads, native_grads, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("given", ["attention_mask", "position_ids"])
+def test_a_padding_mask_or_position_ids_keep_the_models_mask(native_model, batch, exporting_while_compiling, given):
+    """Padding, or position ids that may pack several sequences: the mask transformers builds is what sdpa gets."""
+    input_ids, labels = batch
+    if given == "attention_mask":
+        value = torch.ones_like(input_ids)
+        value[1, :2] = 0  # left padding in the second row
+    else:
+        value = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])  # two sequences packed in the first row
+    native, native_grads = loss_and_grads(
+        copy.deepcopy(native_model).train(), input_ids, labels=labels, **{given: value}
+    )
+    model = copy.deepcopy(native_model).train()
+    apply_liger_kernel_to_deepseek_v3(model=model)
+
+    out, grads, calls = compiled_step(model, input_ids, labels=labels, **{given: value})
+
+    assert calls == [(False, False)] * native_model.config.num_hidden_layers
+    torch.testing.assert_close(out.loss, native.loss, atol=1e-5, rtol=1e-5)
+    assert_grads_close(grads, native_grads, atol=1e-5, rtol=1e-5)
