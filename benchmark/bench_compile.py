@@ -1,7 +1,9 @@
-"""torch.compile of DeepSeek-V3, native and patched by liger-dspine: throughput, memory, compile time, graph breaks.
+"""torch.compile of DeepSeek-V3 (and family models), native and patched by liger-dspine: throughput, memory, compile
+time, graph breaks.
 
-Four configurations at 2 layers / 4096 tokens (bench_deepseek_v3.py's model: real widths, 16 routed experts,
-bf16), each in a process of its own: native eager, native compiled, liger-dspine eager, liger-dspine compiled
+Four configurations per model at 2 layers / 4096 tokens (bench_deepseek_v3.py's model: real widths, 16 routed
+experts, bf16; a family model at bench_family.py's widths), each in a process of its own: native eager, native
+compiled, liger-dspine eager, liger-dspine compiled
 (``torch.compile(model)``, inductor). A configuration times one training step (forward and backward, no
 optimizer) from the built model (first_step_s: compilation included when compiled), one warm-up, then the mean
 of ``--steps`` timed steps; peak memory over the timed steps. A compiled configuration first takes one eager step
@@ -12,6 +14,7 @@ the graph breaks and graphs dynamo counted.
 Writes <out-dir>/compile.csv and compile.png (compile_tiny.* with --tiny).
 
     python benchmark/bench_compile.py                 # H200
+    python benchmark/bench_compile.py --models deepseek_v3,glm4_moe_lite --family-impls liger-dspine
     python benchmark/bench_compile.py --tiny          # CPU plumbing check: tiny model, fp32, Triton's interpreter
 """
 
@@ -29,6 +32,7 @@ logger = logging.getLogger("bench_compile")
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = (("native", "eager"), ("native", "compiled"), ("liger-dspine", "eager"), ("liger-dspine", "compiled"))
 FIELDS = (
+    "model",
     "impl",
     "mode",
     "layers",
@@ -53,19 +57,19 @@ def child(args) -> dict:
     from torch._dynamo.utils import counters
 
     sys.path.insert(0, HERE)
-    from bench_deepseek_v3 import deepseek_v3_config
+    from bench_deepseek_v3 import model_class
+    from bench_deepseek_v3 import model_config
 
     cuda = not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    config = deepseek_v3_config(args.layers, args.tiny, args.seq)
+    config = model_config(args.model, args.layers, args.tiny, args.seq)
     torch.manual_seed(0)
-    from transformers import DeepseekV3ForCausalLM
-
-    model = DeepseekV3ForCausalLM(config).to(device=device, dtype=dtype).train()
+    model = model_class(args.model)(config).to(device=device, dtype=dtype).train()
     if args.impl == "liger-dspine":
-        from liger_dspine import apply_liger_kernel_to_deepseek_v3
+        from family_configs import LIGER_DSPINE_OPTIONS
+        from liger_dspine import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-        apply_liger_kernel_to_deepseek_v3(model=model)
+        MODEL_TYPE_TO_APPLY_LIGER_FN[args.model](model=model, **LIGER_DSPINE_OPTIONS.get(args.model, {}))
     ids = torch.randint(0, config.vocab_size, (1, args.seq), device=device)
 
     def sync():
@@ -78,7 +82,7 @@ def child(args) -> dict:
         loss.backward()
         return loss.detach()
 
-    row = dict(impl=args.impl, mode=args.mode, layers=args.layers, seq=args.seq)
+    row = dict(model=args.model, impl=args.impl, mode=args.mode, layers=args.layers, seq=args.seq)
     forward = model
     if args.mode == "compiled":
         eager_loss = step(model).float()
@@ -123,15 +127,22 @@ def child(args) -> dict:
 def run_all(args) -> list[dict]:
     rows = []
     deadline = time.monotonic() + args.budget_s
-    for impl, mode in CONFIGS:
+    configs = [
+        (model, impl, mode)
+        for model in args.models
+        for impl, mode in CONFIGS
+        if model == "deepseek_v3" or impl in args.family_impls
+    ]
+    for model, impl, mode in configs:
         left = deadline - time.monotonic()
-        base = dict(impl=impl, mode=mode, layers=args.layers, seq=args.seq)
+        base = dict(model=model, impl=impl, mode=mode, layers=args.layers, seq=args.seq)
         if left < 30:
             rows.append(dict(base, status="skipped: out of time"))
             continue
         with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
-            command = [sys.executable, __file__, "--child", impl, mode, result.name, *child_flags(args)]
-            logger.info("%s %s (%.0f s left)", impl, mode, left)
+            command = [sys.executable, __file__, "--child", impl, mode, result.name, "--models", model]
+            command += child_flags(args)
+            logger.info("%s %s %s (%.0f s left)", model, impl, mode, left)
             env = dict(os.environ, LIGER_FUSED_MOE_AUTOTUNE="0")
             try:
                 subprocess.run(command, timeout=left - 10, check=True, env=env)
@@ -164,16 +175,19 @@ def plot(path: str, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in rows if r.get("status") == "ok"]
-    labels = [f"{r['impl']}\n{r['mode']}" for r in done]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 4))
+    labels = [f"{r['model']}\n{r['impl']}\n{r['mode']}" for r in done]
+    figure, axes = plt.subplots(1, 3, figsize=(max(13, 1.4 * len(done) * 3), 4.5))
     for axis, key, title in zip(
         axes, ("tokens_per_s", "peak_gib", "first_step_s"), ("tokens/s", "peak GiB", "first step (s)")
     ):
-        axis.bar(labels, [r.get(key) or 0 for r in done], color=["#888", "#555", "#4a8", "#286"][: len(done)])
+        colors = {("native", "eager"): "#888", ("native", "compiled"): "#555", ("liger-dspine", "eager"): "#4a8"}
+        axis.bar(
+            labels, [r.get(key) or 0 for r in done], color=[colors.get((r["impl"], r["mode"]), "#286") for r in done]
+        )
         axis.set_title(title)
         axis.tick_params(axis="x", labelsize=8)
     seq, layers = rows[0]["seq"], rows[0]["layers"]
-    figure.suptitle(f"DeepSeek-V3, {layers} layers, {seq} tokens: eager vs torch.compile")
+    figure.suptitle(f"{layers} layers, {seq} tokens: eager vs torch.compile")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -182,6 +196,10 @@ def plot(path: str, rows: list[dict]) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny model on a CPU (interpreter)")
+    parser.add_argument("--models", default="deepseek_v3", help="comma-separated: deepseek_v3 and family models")
+    parser.add_argument(
+        "--family-impls", default="native,liger-dspine", help="the implementations run for models other than V3"
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=None, help="tokens per step (default 4096, 16 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3, 1 with --tiny)")
@@ -191,6 +209,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.seq = args.seq or (16 if args.tiny else 4096)
     args.steps = args.steps or (1 if args.tiny else 3)
+    args.models = args.models.split(",")
+    args.family_impls = args.family_impls.split(",")
+    if args.child:
+        args.model = args.models[0]
     return args
 
 

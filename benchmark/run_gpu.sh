@@ -108,8 +108,8 @@ for step in "$@"; do
     tests) run_pytest tests.log "" test -m cuda --ignore=test/convergence ;;
     convergence) run_pytest convergence.log bf16 test/convergence ;;
     bench-quick) run_bench --suite quick ;;
-    # native and liger-dspine, eager and torch.compile, at 2 layers / 4096 (bench_compile.py)
-    bench-compile) BENCH_SCRIPT=benchmark/bench_compile.py run_bench ;;
+    # native and liger-dspine, eager and torch.compile, at 2 layers / 4096 (bench_compile.py): DeepSeek-V3, GLM-4.7-Flash-like
+    bench-compile) BENCH_SCRIPT=benchmark/bench_compile.py run_bench --models deepseek_v3,glm4_moe_lite ;;
     bench-part1) run_bench --suite full --part 1 ;;
     bench-part2) run_bench --suite full --part 2 ;;
     # liger-dspine's defaults and its opt-in memory saver at the lengths of the memory goals
