@@ -131,7 +131,7 @@ def run_all(args) -> list[dict]:
         (model, impl, mode)
         for model in args.models
         for impl, mode in CONFIGS
-        if model == "deepseek_v3" or impl in args.family_impls
+        if impl in (args.impls if model == "deepseek_v3" else args.family_impls)
     ]
     for model, impl, mode in configs:
         left = deadline - time.monotonic()
@@ -197,6 +197,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny model on a CPU (interpreter)")
     parser.add_argument("--models", default="deepseek_v3", help="comma-separated: deepseek_v3 and family models")
+    parser.add_argument("--impls", default="native,liger-dspine", help="the implementations run for DeepSeek-V3")
     parser.add_argument(
         "--family-impls", default="native,liger-dspine", help="the implementations run for models other than V3"
     )
@@ -210,7 +211,7 @@ def parse_args(argv=None):
     args.seq = args.seq or (16 if args.tiny else 4096)
     args.steps = args.steps or (1 if args.tiny else 3)
     args.models = args.models.split(",")
-    args.family_impls = args.family_impls.split(",")
+    args.impls, args.family_impls = args.impls.split(","), args.family_impls.split(",")
     if args.child:
         args.model = args.models[0]
     return args

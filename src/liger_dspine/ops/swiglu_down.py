@@ -5,7 +5,7 @@ gate ``a`` and up ``b`` (saved by the SiLU-mul) and the product ``c = silu(a) * 
 weight gradient). This op saves only ``a``, ``b`` and ``W``; the backward recomputes ``c`` with liger-kernel's
 SiLU-mul forward kernel:
 
-    dW = dy^T @ c        (c recomputed, then freed before dc is allocated)
+    dW = dy^T @ c        (c recomputed, then freed before dc is allocated; one op, see below)
     dc = dy @ W
     da, db               liger-kernel's SiLU-mul backward kernel
 
@@ -16,6 +16,9 @@ With ``fp8=True`` the three GEMMs run on e4m3 operands with dynamic rowwise scal
 c and W per row over I in forward, dy per token and W per in-feature over H for dc, dy and c per feature over the
 tokens for dW); what is saved is unchanged.
 
+The weight gradient is one custom op of dy, a and b (``liger_dspine::swiglu_down_weight_grad``): under torch.compile
+a recompute that read only saved tensors would be moved to the forward by the partitioner, which would then keep c.
+
 liger-kernel's backward kernel writes da and db over its a and b buffers. By default they are copies, so the
 caller's tensors are untouched; with ``in_place=True`` the saved ``a`` and ``b`` themselves are overwritten (two
 fewer ``[..., I]`` buffers at the backward's peak), which is only right when nothing else reads them afterwards.
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_dspine._interpreter import check_kernel_device
+from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.fp8_linear import check_fp8_linear
 from liger_dspine.ops.fp8_linear import fp8_mm
@@ -36,6 +40,18 @@ from liger_dspine.ops.liger_kernel_ops import silu_mul_backward_
 from liger_dspine.ops.second_pass import RunsOnce
 
 _WHAT = "SwiGLU down projection"
+
+
+@liger_custom_op("liger_dspine::swiglu_down_weight_grad", mutates_args=())
+def _down_weight_grad(grad_rows: torch.Tensor, gate_rows: torch.Tensor, up_rows: torch.Tensor) -> torch.Tensor:
+    """``grad_rows [N, H]^T @ (silu(gate) * up) [N, I]`` -> [H, I] in grad_rows' dtype, the product recomputed here."""
+    product = silu_mul(gate_rows, up_rows).to(grad_rows.dtype)
+    return grad_rows.t() @ product
+
+
+@_down_weight_grad.register_fake
+def _(grad_rows, gate_rows, up_rows):
+    return grad_rows.new_empty(grad_rows.shape[1], gate_rows.shape[1])
 _RUNS_ONCE = (
     "liger-dspine: the fused SwiGLU MLP (LigerSwiGLUMLP) can run its backward only once: its first backward wrote "
     "the gradients of gate and up over the saved activations, to save memory. For backward(retain_graph=True) twice "
@@ -58,6 +74,7 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
     kernel_ops = (
         "liger_dspine::silu_mul",
         "liger_dspine::silu_mul_backward_",
+        "liger_dspine::swiglu_down_weight_grad",
         "liger_dspine::fp8_quantize_rows",
         "liger_dspine::fp8_quantize_columns",
         "liger_dspine::fp8_scaled_mm",
@@ -105,12 +122,12 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
             grad_rows = grad_out.reshape(-1, hidden).to(dtype)
             if weight_needs_grad:
                 # before the SiLU-mul backward, which may overwrite gate and up
-                product = silu_mul(gate_rows, up_rows).to(dtype)
                 if ctx.fp8:
+                    product = silu_mul(gate_rows, up_rows).to(dtype)
                     grad_weight = fp8_mm_grad_weight(grad_rows, product, dtype).to(down_weight.dtype)
+                    del product
                 else:
-                    grad_weight = (grad_rows.t() @ product).to(down_weight.dtype)
-                del product
+                    grad_weight = _down_weight_grad(grad_rows, gate_rows, up_rows).to(down_weight.dtype)
             if gate_needs_grad or up_needs_grad:
                 if ctx.fp8:
                     grad_product = fp8_mm_grad_input(grad_rows, down_weight, dtype).to(gate.dtype)

@@ -344,7 +344,7 @@ CASES = {
     case_clamped_silu_mul_rows: ("silu_mul_rows", "silu_mul_rows_backward", "silu_mul_rows_backward_"),
     case_clamped_grouped_experts: ("grouped_experts", "grouped_experts_backward_"),
     case_slot_sum: ("slot_sum",),
-    case_swiglu_down: ("silu_mul", "silu_mul_backward_"),
+    case_swiglu_down: ("silu_mul", "silu_mul_backward_", "swiglu_down_weight_grad"),
     case_silu_mul: ("silu_mul", "silu_mul_backward_"),
     case_rms_norm: ("rms_norm", "rms_norm_backward"),
     case_fused_linear_cross_entropy: ("fused_linear_cross_entropy",),
