@@ -52,6 +52,8 @@ def _down_weight_grad(grad_rows: torch.Tensor, gate_rows: torch.Tensor, up_rows:
 @_down_weight_grad.register_fake
 def _(grad_rows, gate_rows, up_rows):
     return grad_rows.new_empty(grad_rows.shape[1], gate_rows.shape[1])
+
+
 _RUNS_ONCE = (
     "liger-dspine: the fused SwiGLU MLP (LigerSwiGLUMLP) can run its backward only once: its first backward wrote "
     "the gradients of gate and up over the saved activations, to save memory. For backward(retain_graph=True) twice "

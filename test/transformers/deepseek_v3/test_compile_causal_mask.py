@@ -15,6 +15,7 @@ import transformers.masking_utils as masking_utils
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
 from tiny_models import assert_grads_close
 from tiny_models import build_model
+from tiny_models import grads_of
 from tiny_models import labels_with_ignored
 from tiny_models import loss_and_grads
 from tiny_models import random_batch
@@ -57,7 +58,7 @@ def compiled_step(model, *args, **kwargs):
     model.zero_grad(set_to_none=True)
     out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
     out.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = grads_of(model)
     return out, grads, calls
 
 

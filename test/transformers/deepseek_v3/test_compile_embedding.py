@@ -18,6 +18,7 @@ from liger_dspine import apply_liger_kernel_to_deepseek_v3
 from liger_dspine.modules.compiled_embedding import _reads_ids_only_to_embed
 from tiny_models import assert_grads_close
 from tiny_models import build_model
+from tiny_models import grads_of
 from tiny_models import labels_with_ignored
 from tiny_models import loss_and_grads
 from tiny_models import random_batch
@@ -54,7 +55,7 @@ def compiled_step(model, *args, **kwargs):
     backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
     out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
     out.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = grads_of(model)
     return out, grads, backward_ops
 
 
