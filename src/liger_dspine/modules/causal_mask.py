@@ -1,10 +1,10 @@
 """Compiled steps without a materialised causal mask: sdpa's ``is_causal`` where the mask can only be causal.
 
 In eager code transformers hands sdpa no mask when a batch has no padding, no cache offset and no packed sequences,
-and sdpa runs its causal kernels. Under torch.compile that decision reads ``torch.compiler.is_exporting()``, which
-dynamo folds to ``True`` in some torch releases (2.11 here; 2.13 reads it right). The compiled step then builds the
-[S, S] mask, and cuDNN attention applies it as a bias over every tile: at 4096 tokens its backward took 4.7x the
-causal one's time on an H100 (``benchmark/profile_step.py --compile``).
+and sdpa runs its causal kernels. Under torch.compile transformers before 5.24 never does; 5.24 and later read
+``torch.compiler.is_exporting()``, which dynamo folds to ``True`` in some torch releases (2.11; 2.13 reads it
+right). The compiled step then builds the [S, S] mask, and cuDNN attention applies it as a bias over every tile: at
+4096 tokens its backward took 4.7x the causal one's time on an H100 (``benchmark/profile_step.py --compile``).
 
 The causal-LM forwards of this package know from their own arguments when the mask can only be the causal one: no
 attention mask, no position ids (so no packed sequences), no cache passed in, sdpa, every layer full attention.
