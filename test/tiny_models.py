@@ -217,3 +217,33 @@ def assert_grads_close(actual: dict, expected: dict, atol: float, rtol: float) -
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+SDPA_FUNCTIONS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+
+
+def exporting_while_compiling(monkeypatch) -> None:
+    """transformers' exporting check (5.24 and later) answers as torch 2.11's dynamo makes it answer: True while
+    compiling. Older transformers have no such check and build the mask under compile anyway."""
+    import transformers.masking_utils as masking_utils
+
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling, raising=False)
+
+
+def compiled_sdpa_step(model, *args, fullgraph: bool = True, **kwargs):
+    """One compiled training step: (output, grads, [(attn_mask is None, is_causal) of each sdpa call in the graph
+    dynamo captured]); the graph runs as captured."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in SDPA_FUNCTIONS:
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is None, bool(node.kwargs.get("is_causal", False))))
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    out = torch.compile(model, backend=backend, fullgraph=fullgraph)(*args, **kwargs)
+    out.loss.backward()
+    return out, grads_of(model), calls

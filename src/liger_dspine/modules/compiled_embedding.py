@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
+from liger_dspine.modules.config_reading import has_module_hooks
 from liger_dspine.ops.embedding import liger_embedding
 
 
@@ -42,9 +43,8 @@ def _plain_embedding(embed) -> bool:
         return False
     if type(embed.weight) is not nn.Parameter:
         return False  # a DTensor (tensor or FSDP2 sharding) or another tensor subclass
-    hooks = (embed._forward_hooks, embed._forward_pre_hooks, embed._backward_hooks, embed._backward_pre_hooks)
     global_hooks = (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks)
-    return not any(hooks) and not any(global_hooks)
+    return not has_module_hooks(embed) and not any(global_hooks)
 
 
 @torch._dynamo.assume_constant_result

@@ -116,15 +116,20 @@ def expert_sizes(config) -> tuple[int, int, int]:
     return num_experts, config.hidden_size, intermediate
 
 
-def runs_plain_linear(module: nn.Module) -> bool:
-    """Calling ``module`` is ``F.linear`` with its weight and bias: an ``nn.Linear`` with its own forward, no hooks."""
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` carries a forward or backward hook (pre-hooks included) of its own."""
     hooks = (
         module._forward_pre_hooks,
         module._forward_hooks,
         module._backward_pre_hooks,
         module._backward_hooks,
     )
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and not any(hooks)
+    return any(hooks)
+
+
+def runs_plain_linear(module: nn.Module) -> bool:
+    """Calling ``module`` is ``F.linear`` with its weight and bias: an ``nn.Linear`` with its own forward, no hooks."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and not has_module_hooks(module)
 
 
 # transformers' experts implementations the patched experts stand in for: the default grouped GEMMs, and the

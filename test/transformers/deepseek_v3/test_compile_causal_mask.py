@@ -11,20 +11,18 @@ import copy
 
 import pytest
 import torch
-import transformers.masking_utils as masking_utils
 
 from liger_dspine import apply_liger_kernel_to_deepseek_v3
 from tiny_models import assert_grads_close
 from tiny_models import build_model
-from tiny_models import grads_of
+from tiny_models import compiled_sdpa_step
+from tiny_models import exporting_while_compiling
 from tiny_models import labels_with_ignored
 from tiny_models import loss_and_grads
 from tiny_models import random_batch
 from tiny_models import tiny_deepseek_v3_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.matrix]  # dynamo over the interpreter's kernels
-
-SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
 @pytest.fixture(scope="module")
@@ -39,39 +37,19 @@ def batch(native_model):
 
 
 @pytest.fixture
-def exporting_while_compiling(monkeypatch):
-    """transformers' exporting check answers as those torch releases make it answer under dynamo."""
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling, raising=False)
-
-
-def compiled_step(model, *args, **kwargs):
-    """(output, grads, [(attn_mask is None, is_causal) of each sdpa call in the captured graph])."""
-    calls = []
-
-    def backend(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in SDPA:
-                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                calls.append((mask is None, bool(node.kwargs.get("is_causal", False))))
-        return gm.forward
-
-    torch._dynamo.reset()
-    model.zero_grad(set_to_none=True)
-    out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
-    out.loss.backward()
-    grads = grads_of(model)
-    return out, grads, calls
+def mask_check_as_torch_2_11(monkeypatch):
+    exporting_while_compiling(monkeypatch)
 
 
 def test_compiled_step_takes_is_causal_and_gives_the_native_loss_and_grads(
-    native_model, batch, exporting_while_compiling
+    native_model, batch, mask_check_as_torch_2_11
 ):
     input_ids, labels = batch
     native, native_grads = loss_and_grads(copy.deepcopy(native_model).train(), input_ids, labels=labels)
     model = copy.deepcopy(native_model).train()
     apply_liger_kernel_to_deepseek_v3(model=model)
 
-    out, grads, calls = compiled_step(model, input_ids, labels=labels)
+    out, grads, calls = compiled_sdpa_step(model, input_ids, labels=labels)
 
     layers = native_model.config.num_hidden_layers
     assert calls == [(True, True)] * layers
@@ -80,7 +58,7 @@ def test_compiled_step_takes_is_causal_and_gives_the_native_loss_and_grads(
 
 
 @pytest.mark.parametrize("given", ["attention_mask", "position_ids"])
-def test_a_padding_mask_or_position_ids_keep_the_models_mask(native_model, batch, exporting_while_compiling, given):
+def test_a_padding_mask_or_position_ids_keep_the_models_mask(native_model, batch, mask_check_as_torch_2_11, given):
     """Padding, or position ids that may pack several sequences: the mask transformers builds is what sdpa gets."""
     input_ids, labels = batch
     if given == "attention_mask":
@@ -94,7 +72,7 @@ def test_a_padding_mask_or_position_ids_keep_the_models_mask(native_model, batch
     model = copy.deepcopy(native_model).train()
     apply_liger_kernel_to_deepseek_v3(model=model)
 
-    out, grads, calls = compiled_step(model, input_ids, labels=labels, **{given: value})
+    out, grads, calls = compiled_sdpa_step(model, input_ids, labels=labels, **{given: value})
 
     assert calls == [(False, False)] * native_model.config.num_hidden_layers
     torch.testing.assert_close(out.loss, native.loss, atol=1e-5, rtol=1e-5)

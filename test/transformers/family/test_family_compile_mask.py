@@ -10,16 +10,14 @@ import copy
 
 import pytest
 import torch
-import transformers.masking_utils as masking_utils
 
 from tiny_family import CASES
 from tiny_models import assert_grads_close
-from tiny_models import grads_of
+from tiny_models import compiled_sdpa_step
+from tiny_models import exporting_while_compiling
 from tiny_models import loss_and_grads
 
 pytestmark = pytest.mark.slow  # dynamo over the interpreter's kernels
-
-SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
 @pytest.mark.parametrize(
@@ -27,7 +25,7 @@ SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_do
     [("glm4_moe_lite", True), ("kimi_k25", True), ("deepseek_v32", False), ("dots1", False)],
 )
 def test_compiled_family_step_gives_the_native_numbers(monkeypatch, model_type, mask_free):
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", torch.compiler.is_compiling)
+    exporting_while_compiling(monkeypatch)
     case = CASES[model_type]
     native = case.build()
     native.set_attn_implementation("sdpa")
@@ -35,19 +33,8 @@ def test_compiled_family_step_gives_the_native_numbers(monkeypatch, model_type, 
     expected, expected_grads = loss_and_grads(copy.deepcopy(native).train(), input_ids, labels=input_ids)
     model = copy.deepcopy(native).train()
     case.apply_fn()(model=model)
-    calls = []
+    out, grads, calls = compiled_sdpa_step(model, input_ids, labels=input_ids, fullgraph=False)
 
-    def backend(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in SDPA:
-                calls.append(node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is None)
-        return gm.forward
-
-    torch._dynamo.reset()
-    model.zero_grad(set_to_none=True)
-    out = torch.compile(model, backend=backend)(input_ids, labels=input_ids)
-    out.loss.backward()
-
-    assert calls == [mask_free] * 2
+    assert calls == [(mask_free, mask_free)] * 2  # sdpa's is_causal exactly where it gets no mask
     torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
-    assert_grads_close(grads_of(model), expected_grads, atol=1e-5, rtol=1e-5)
+    assert_grads_close(grads, expected_grads, atol=1e-5, rtol=1e-5)
