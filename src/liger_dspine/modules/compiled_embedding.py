@@ -8,7 +8,8 @@ place of ``input_ids`` only where that changes nothing else:
   ``self.embed_tokens(input_ids)`` (read from its source once per class; DeepSeek-V4 also routes by token id, and a
   multimodal model looks for image tokens, so both keep their ids);
 - ``embed_tokens`` is a plain ``nn.Embedding`` (no scaling subclass, no ``max_norm``, dense gradient) with a plain
-  weight and no hooks (FSDP, ZeRO-3, adapters and ``enable_input_require_grads`` keep the module call).
+  weight, no hooks and no forward of its own (FSDP, ZeRO-3, accelerate's offloading, adapters and
+  ``enable_input_require_grads`` keep the module call).
 
 Eager code is left as it is: torch's kernel is what ``nn.Embedding`` runs there already.
 """
@@ -41,6 +42,8 @@ def compiled_input_embeddings(causal_lm: nn.Module, input_ids, inputs_embeds):
 def _plain_embedding(embed) -> bool:
     if type(embed) is not nn.Embedding or embed.max_norm is not None or embed.sparse:
         return False
+    if "forward" in vars(embed):
+        return False  # a forward set on the instance (accelerate's offloading hooks load the weight in it)
     if type(embed.weight) is not nn.Parameter:
         return False  # a DTensor (tensor or FSDP2 sharding) or another tensor subclass
     global_hooks = (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks)

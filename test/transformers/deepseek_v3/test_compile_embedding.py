@@ -3,8 +3,8 @@
 ``modules/compiled_embedding.py``: under compile the causal-LM forward embeds the ids through ``ops/embedding.py``,
 whose weight gradient is one opaque op (inductor would sum it into a zeroed fp32 copy of the table). The tests read
 the backward graph AOTAutograd hands to the compiler, and compare the compiled loss and gradients with the native
-eager model's. A hook on the embedding, or a base model that reads its ids for more than the embedding, keeps the
-module call.
+eager model's. A hook or a forward set on the embedding, or a base model that reads its ids for more than the
+embedding, keeps the module call.
 """
 
 import copy
@@ -60,15 +60,25 @@ def compiled_step(model, *args, **kwargs):
 
 
 @pytest.mark.slow  # dynamo and AOTAutograd over the interpreter's kernels
-@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "hooked"])
+@pytest.mark.parametrize("hooked", [False, "hook", "forward"], ids=["plain", "hooked", "instance_forward"])
 def test_compiled_embedding_gradient_is_torchs_kernel_with_the_native_numbers(native_model, batch, hooked):
     input_ids, labels = batch
     native, native_grads = loss_and_grads(copy.deepcopy(native_model).train(), input_ids, labels=labels)
     model = copy.deepcopy(native_model).train()
     apply_liger_kernel_to_deepseek_v3(model=model)
     seen = []
-    if hooked:  # a forward hook on the embedding must run, so the module is called
-        model.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    embed = model.model.embed_tokens
+    if hooked == "hook":  # a forward hook on the embedding must run, so the module is called
+        embed.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    elif hooked == "forward":  # a forward set on the instance (accelerate's offloading) must run too
+        native_forward = embed.forward
+
+        def forward(ids):
+            out = native_forward(ids)
+            seen.append(out.shape)
+            return out
+
+        embed.forward = forward
 
     out, grads, backward_ops = compiled_step(model, input_ids, labels=labels)
 
