@@ -206,6 +206,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3, 1 with --tiny)")
     parser.add_argument("--budget-s", type=float, default=560)
     parser.add_argument("--out-dir", default=os.path.join(HERE, "data"))
+    parser.add_argument("--name", default="compile", help="the output files' name (.csv, .png)")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODE", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.seq = args.seq or (16 if args.tiny else 4096)
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
         return 0
     rows = run_all(args)
     os.makedirs(args.out_dir, exist_ok=True)
-    name = "compile_tiny" if args.tiny else "compile"
+    name = f"{args.name}_tiny" if args.tiny else args.name
     write_csv(os.path.join(args.out_dir, f"{name}.csv"), rows)
     plot(os.path.join(args.out_dir, f"{name}.png"), rows)
     for row in rows:

@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | bench-masked-attention | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | bench-masked-attention-sweep | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
 #         | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-step
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
@@ -27,6 +27,7 @@
 #   PROFILE_MODEL / PROFILE_IMPLS / PROFILE_OPTIONS  profile-family's model (deepseek_v2), implementations
 #                  ("hf liger-dspine") and liger-dspine options (JSON; hf ignores them)
 #   TF_TESTS_TIMEOUT_S  transformers-tests: seconds per pytest run (default: what is left, less 60)
+#   MASKED_ATTENTION_BASELINE  bench-masked-attention: a file of another ops/masked_attention.py to measure too
 #   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"; convergence
 #                  runs "bf16 and (PYTEST_K)"
 set -u -o pipefail
@@ -194,7 +195,11 @@ for step in "$@"; do
     # launch settings of the DSpine refinement loss's candidate-score kernels
     bench-candidate-scores) BENCH_SCRIPT=benchmark/bench_candidate_scores.py run_bench ;;
     # DSpine's draft-block attention alone: sdpa against the masked-attention kernel (bench_masked_attention.py)
-    bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench ;;
+    # (MASKED_ATTENTION_BASELINE: another version of ops/masked_attention.py, measured beside it)
+    bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench \
+      ${MASKED_ATTENTION_BASELINE:+--baseline "$MASKED_ATTENTION_BASELINE"} ;;
+    # the masked-attention kernels under each candidate of tile sizes and launch settings
+    bench-masked-attention-sweep) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench --sweep ;;
     # the host's time per call of one RMSNorm by each route (aten, liger-kernel, the custom op with and without
     # torch's dispatcher)
     host-per-call) timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/host_per_call.py 2>&1 | tee -a "$OUT/host_per_call.txt" ;;

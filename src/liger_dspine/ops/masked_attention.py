@@ -3,8 +3,9 @@
 A draft block's queries see the context before their anchor and their own block's keys: in DSpine's step (8192
 queries over 3072 context + 8192 draft keys) about 15% of the [Q, K] tiles hold a visible pair. sdpa's kernels take
 such a mask as an additive bias and compute every tile. Here the mask is first reduced to a tile map (which
-[BLOCK, BLOCK] tiles hold any visible pair, a list of them per query tile and per key tile), and the kernels visit
-only those tiles, reading the mask inside each:
+[BLOCK, BLOCK] tiles hold any visible pair, a list of them per query tile and per key tile, full tiles first), and
+the kernels visit only those tiles. A full tile (every pair visible: most of a block's context) is computed without
+reading the mask or bounds; a partial tile reads its part of the mask:
 
 - forward: per (query tile, head), an online softmax over the listed key tiles; out and a log-sum-exp per row;
 - dq: per (query tile, head), ``scale * sum_t p_t (dO.v_t - delta) k_t`` over the same tiles;
@@ -31,61 +32,124 @@ from liger_dspine.ops.precompile import precompile
 
 
 class TileSizes(NamedTuple):
+    """Tile sizes and launch settings of the three kernels (tile lists depend on the first four only)."""
+
     query: int  # rows of a forward / dq program
     key: int  # keys per step of a forward / dq program
     dkv_key: int  # keys of a dk / dv program
     dkv_query: int  # rows per step of a dk / dv program
+    forward_warps: int = 4
+    forward_stages: int = 2
+    dq_warps: int = 4
+    dq_stages: int = 2
+    dkv_warps: int = 4
+    dkv_stages: int = 2
 
 
 def tile_sizes(dtype: torch.dtype, head_dim: int) -> TileSizes:
     """Half precision up to D = 128 takes the large tiles; fp32 or wider heads halve them (shared memory)."""
     if dtype in (torch.bfloat16, torch.float16) and head_dim <= 128:
-        return TileSizes(128, 64, 64, 64)
+        return TileSizes(128, 64, 64, 64, 8, 3, 8, 3, 8, 3)
     return TileSizes(64, 32, 32, 32)
 
 
 class AttentionTiles(NamedTuple):
-    """Which tiles of a [B, 1, Q, K] mask hold a visible pair, as lists (visible tiles first, ascending)."""
+    """Which tiles of a [B, 1, Q, K] mask hold a visible pair, as lists: first the full tiles (every pair visible
+    and in range), then the partial ones, each ascending."""
 
     sizes: TileSizes
     key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles
     key_counts: torch.Tensor  # int32 [B, Q / query]
+    key_full: torch.Tensor  # int32 [B, Q / query]: how many of them are full
     query_tiles: torch.Tensor  # int32 [B, K / dkv_key, Q / dkv_query]: per key tile, its visible query tiles
     query_counts: torch.Tensor  # int32 [B, K / dkv_key]
+    query_full: torch.Tensor  # int32 [B, K / dkv_key]
 
 
-def _tile_map(mask: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """[B, Q, K] bool -> [B, ceil(Q / rows), ceil(K / cols)] bool: whether the tile holds any True."""
+def _tile_maps(mask: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Q, K] bool -> ([B, ceil(Q / rows), ceil(K / cols)] bool whether the tile holds any True, and whether all
+    of it is True; a tile reaching past the mask is never full)."""
     batch, q_len, k_len = mask.shape
     padded = F.pad(mask, (0, -k_len % cols, 0, -q_len % rows))
     tiles = padded.view(batch, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
-    return tiles.any(dim=4).any(dim=2)
+    return tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
 
 
-def _lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, R, C] bool -> (the indices of the True entries first, ascending, [B, R, C] int32; their counts [B, R])."""
-    order = torch.sort((~tiles).to(torch.uint8), dim=-1, stable=True).indices
-    return order.to(torch.int32), tiles.sum(dim=-1, dtype=torch.int32)
+def _lists(visible: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, R, C] bool maps -> (the indices of the full entries, then of the partial ones, each ascending, then the
+    rest, [B, R, C] int32; the counts of visible entries [B, R]; of full entries [B, R])."""
+    rank = (~visible).to(torch.uint8) + (~full).to(torch.uint8)  # 0 full, 1 partial, 2 not visible
+    order = torch.sort(rank, dim=-1, stable=True).indices
+    return order.to(torch.int32), visible.sum(dim=-1, dtype=torch.int32), full.sum(dim=-1, dtype=torch.int32)
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
-    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (one reduction and two sorts; a mask
+    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (two reductions and two sorts; a mask
     shared by several layers needs them once)."""
     plane = mask[:, 0]
-    key_tiles, key_counts = _lists(_tile_map(plane, sizes.query, sizes.key))
-    by_key = _tile_map(plane, sizes.dkv_query, sizes.dkv_key).transpose(1, 2)
-    query_tiles, query_counts = _lists(by_key)
-    return AttentionTiles(sizes, key_tiles, key_counts, query_tiles.contiguous(), query_counts.contiguous())
+    key_lists = _lists(*_tile_maps(plane, sizes.query, sizes.key))
+    by_key = [m.transpose(1, 2) for m in _tile_maps(plane, sizes.dkv_query, sizes.dkv_key)]
+    query_lists = [t.contiguous() for t in _lists(*by_key)]
+    return AttentionTiles(sizes, *key_lists, *query_lists)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
+# Scores are kept in base 2 (scaled by log2(e)) so the softmax takes exp2; the stored log-sum-exp is in base e.
 @triton.jit
-def _masked_scores(q, k, visible_ptr, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION: tl.constexpr):
-    """scale q.k^T for a [ROWS, KEYS] tile, -inf where the mask is False (or out of range)."""
-    inside = row_ok[:, None] & key_ok[None, :]
-    visible = tl.load(visible_ptr + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+def _load_rows(base, rows, row_ok, stride, dims, PARTIAL: tl.constexpr):
+    """[len(rows), D] at ``base + rows * stride``; rows out of range read zeros (only a partial tile has any)."""
+    pointers = base + rows[:, None] * stride + dims[None, :]
+    if PARTIAL:
+        return tl.load(pointers, mask=row_ok[:, None], other=0.0)
+    return tl.load(pointers)
+
+
+@triton.jit
+def _load_stats(pointers, row_ok, other, PARTIAL: tl.constexpr):
+    if PARTIAL:
+        return tl.load(pointers, mask=row_ok, other=other)
+    return tl.load(pointers)
+
+
+@triton.jit
+def _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, BY_KEY: tl.constexpr):
+    """-inf where the mask is False or out of range; scores are [rows, keys], or [keys, rows] if BY_KEY."""
+    if BY_KEY:
+        inside = key_ok[:, None] & row_ok[None, :]
+        visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
+    else:
+        inside = row_ok[:, None] & key_ok[None, :]
+        visible = tl.load(mask_base + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
     return tl.where(visible, scores, float("-inf"))
+
+
+@triton.jit
+def _forward_visits(
+    acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
+    k_len, stride_ks, stride_vs, stride_mq, qk_scale,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over the key tiles ``list_ptr[start:end]``. Full tiles (PARTIAL off) read neither the
+    mask nor bounds."""
+    for i in range(start, end):
+        key_tile = tl.load(list_ptr + i)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        key_ok = keys < k_len
+        k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
+        v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if PARTIAL:
+            scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        shift = new_max
+        if PARTIAL:
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
+        p = tl.math.exp2(scores - shift[:, None])
+        alpha = tl.math.exp2(running_max - shift)
+        running_sum = running_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        running_max = new_max
+    return acc, running_max, running_sum
 
 
 _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "stride_mq")
@@ -93,7 +157,7 @@ _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "str
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, out_ptr, lse_ptr,
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
@@ -106,33 +170,26 @@ def _masked_attention_forward_kernel(
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q = _load_rows(q_ptr + batch * stride_qb + head * stride_qh, rows, row_ok, stride_qs, dims, True)
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     mask_base = mask_ptr + batch * stride_mb
     list_row = batch * tl.num_programs(0) + q_tile
+    list_ptr = tiles_ptr + list_row * list_len
+    full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
+    qk_scale = scale * 1.4426950408889634  # log2(e)
     running_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
-    for i in range(0, count):
-        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-        key_ok = keys < k_len
-        k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
-        p = tl.exp(scores - shift[:, None])
-        alpha = tl.exp(running_max - shift)
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        running_max = new_max
+    acc, running_max, running_sum = _forward_visits(
+        acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, 0, full, rows, row_ok, dims,
+        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+    )  # fmt: skip
+    acc, running_max, running_sum = _forward_visits(
+        acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, full, count, rows, row_ok, dims,
+        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+    )  # fmt: skip
     empty = running_sum == 0.0
     out = acc / tl.where(empty, 1.0, running_sum)[:, None]
     tl.store(
@@ -140,15 +197,37 @@ def _masked_attention_forward_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
     )
-    lse = tl.where(
-        empty, float("inf"), running_max + tl.log(tl.where(empty, 1.0, running_sum))
-    )  # +inf: p = 0 in the backward
+    log2_sum = running_max + tl.log2(tl.where(empty, 1.0, running_sum))
+    lse = tl.where(empty, float("inf"), log2_sum * 0.6931471805599453)  # base e; +inf: p = 0 in the backward
     tl.store(lse_ptr + (batch * num_heads + head) * q_len + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_visits(
+    acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
+    k_len, stride_ks, stride_vs, stride_mq, qk_scale,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc += sum over the key tiles ``list_ptr[start:end]`` of p (dO.v - delta) k."""
+    for i in range(start, end):
+        key_tile = tl.load(list_ptr + i)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        key_ok = keys < k_len
+        k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
+        v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if PARTIAL:
+            scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+        p = tl.math.exp2(scores - lse2[:, None])
+        grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
+        grad_scores = p * (grad_p - delta[:, None])
+        acc += tl.dot(grad_scores.to(k.dtype), k, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr,
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
@@ -162,46 +241,70 @@ def _masked_attention_dq_kernel(
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
     dims = tl.arange(0, HEAD_DIM)
-    q_offsets = batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-    grad_out = tl.load(
-        grad_out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q_offset = batch * stride_qb + head * stride_qh
+    q = _load_rows(q_ptr + q_offset, rows, row_ok, stride_qs, dims, True)
+    grad_out = _load_rows(grad_out_ptr + batch * stride_ob + head * stride_oh, rows, row_ok, stride_os, dims, True)
     stats = (batch * num_heads + head) * q_len + rows
-    lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
+    lse2 = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     mask_base = mask_ptr + batch * stride_mb
     list_row = batch * tl.num_programs(0) + q_tile
+    list_ptr = tiles_ptr + list_row * list_len
+    full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
+    qk_scale = scale * 1.4426950408889634
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
-    for i in range(0, count):
-        key_tile = tl.load(tiles_ptr + list_row * list_len + i)
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-        key_ok = keys < k_len
-        k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = _masked_scores(q, k, mask_base, rows, row_ok, keys, key_ok, stride_mq, scale, PRECISION)
-        p = tl.exp(scores - lse[:, None])
-        grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
-        grad_scores = p * (grad_p - delta[:, None])
-        acc += tl.dot(grad_scores.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(grad_q_ptr + q_offsets, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
+    acc = _dq_visits(
+        acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, 0, full, rows, row_ok, dims,
+        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+    )  # fmt: skip
+    acc = _dq_visits(
+        acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, full, count, rows, row_ok, dims,
+        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+    )  # fmt: skip
+    grad_q_pointers = grad_q_ptr + q_offset + rows[:, None] * stride_qs + dims[None, :]
+    tl.store(grad_q_pointers, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkv_visits(
+    grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_base, list_ptr, start, end, keys,
+    key_ok, dims, q_len, stride_qs, stride_os, stride_mq, qk_scale,
+    BLOCK_Q: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dv += p^T dO and dk += (p (dO.v - delta))^T q over the query tiles ``list_ptr[start:end]`` of one query
+    head; tiles are [keys, rows], so q and dO are only right operands."""
+    for i in range(start, end):
+        query_tile = tl.load(list_ptr + i)
+        rows = (query_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
+        row_ok = rows < q_len
+        q = _load_rows(q_base, rows, row_ok, stride_qs, dims, PARTIAL)
+        grad_out = _load_rows(grad_out_base, rows, row_ok, stride_os, dims, PARTIAL)
+        lse2 = _load_stats(lse_base + rows, row_ok, float("inf"), PARTIAL) * 1.4426950408889634
+        delta = _load_stats(delta_base + rows, row_ok, 0.0, PARTIAL)
+        scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        if PARTIAL:
+            scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, True)
+        p = tl.math.exp2(scores - lse2[None, :])
+        grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
+        grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
+        grad_scores = p * (grad_p - delta[None, :])
+        grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=PRECISION)
+    return grad_k, grad_v
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_k_ptr, grad_v_ptr,
-    q_len, k_len, num_heads, groups, list_len, scale,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_k_ptr,
+    grad_v_ptr, q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dk / dv of one key tile and key-value head, over every query head of its group; dk has k's strides and dv
-    v's. Tiles are [keys, rows] throughout, so q and grad_out are only right operands."""
+    """dk / dv of one key tile and key-value head, summed over every query head of its group in the program; dk
+    has k's strides and dv v's."""
     key_tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
@@ -214,36 +317,26 @@ def _masked_attention_dkv_kernel(
     v = tl.load(v_ptr + v_offsets, mask=key_ok[:, None], other=0.0)
     mask_base = mask_ptr + batch * stride_mb
     list_row = batch * tl.num_programs(0) + key_tile
+    list_ptr = tiles_ptr + list_row * list_len
+    full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
+    qk_scale = scale * 1.4426950408889634
     grad_k = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     grad_v = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     for member in range(0, groups):
         head = kv_head * groups + member
-        for i in range(0, count):
-            query_tile = tl.load(tiles_ptr + list_row * list_len + i)
-            rows = (query_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
-            row_ok = rows < q_len
-            q = tl.load(
-                q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            grad_out = tl.load(
-                grad_out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            stats = (batch * num_heads + head) * q_len + rows
-            lse = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf"))
-            delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-            inside = key_ok[:, None] & row_ok[None, :]
-            visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
-            scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
-            p = tl.exp(tl.where(visible, scores, float("-inf")) - lse[None, :])
-            grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
-            grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
-            grad_scores = p * (grad_p - delta[None, :])
-            grad_k += tl.dot(grad_scores.to(q.dtype), q, input_precision=PRECISION)
+        q_base = q_ptr + batch * stride_qb + head * stride_qh
+        grad_out_base = grad_out_ptr + batch * stride_ob + head * stride_oh
+        lse_base = lse_ptr + (batch * num_heads + head) * q_len
+        delta_base = delta_ptr + (batch * num_heads + head) * q_len
+        grad_k, grad_v = _dkv_visits(
+            grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_base, list_ptr, 0, full, keys,
+            key_ok, dims, q_len, stride_qs, stride_os, stride_mq, qk_scale, BLOCK_Q, False, PRECISION,
+        )  # fmt: skip
+        grad_k, grad_v = _dkv_visits(
+            grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_base, list_ptr, full, count, keys,
+            key_ok, dims, q_len, stride_qs, stride_os, stride_mq, qk_scale, BLOCK_Q, True, PRECISION,
+        )  # fmt: skip
     tl.store(grad_k_ptr + k_offsets, (grad_k * scale).to(grad_k_ptr.dtype.element_ty), mask=key_ok[:, None])
     tl.store(grad_v_ptr + v_offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_ok[:, None])
 
@@ -258,16 +351,28 @@ def _strides(q, k, v, plane, out) -> tuple:
     )  # fmt: skip
 
 
-def _meta(q, block_q, block_k) -> dict:
+def _meta(q, block_q: int, block_k: int, warps: int, stages: int) -> dict:
     half = q.dtype in (torch.bfloat16, torch.float16)
     return dict(
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         HEAD_DIM=q.shape[3],
         PRECISION="tf32" if half else "ieee",  # fp32 inputs keep fp32 products
-        num_warps=8 if half else 4,
-        num_stages=3 if half else 2,
+        num_warps=warps,
+        num_stages=stages,
     )
+
+
+def _forward_meta(q, sizes: TileSizes) -> dict:
+    return _meta(q, sizes.query, sizes.key, sizes.forward_warps, sizes.forward_stages)
+
+
+def _dq_meta(q, sizes: TileSizes) -> dict:
+    return _meta(q, sizes.query, sizes.key, sizes.dq_warps, sizes.dq_stages)
+
+
+def _dkv_meta(q, sizes: TileSizes) -> dict:
+    return _meta(q, sizes.dkv_query, sizes.dkv_key, sizes.dkv_warps, sizes.dkv_stages)
 
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
@@ -284,37 +389,37 @@ def _masked_attention(
     mask: torch.Tensor,
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
-    block_q: int,
-    block_k: int,
+    key_full: torch.Tensor,
+    sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Q, N, D], lse [B, N, Q] fp32)."""
+    """(out [B, Q, N, D], lse [B, N, Q] fp32); sizes = TileSizes."""
     batch, heads, q_len, _ = q.shape
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     plane = mask[:, 0]
     grid = (key_counts.shape[1], heads, batch)
     _masked_attention_forward_kernel[grid](
-        q, k, v, plane, key_tiles, key_counts, out, lse,
+        q, k, v, plane, key_tiles, key_counts, key_full, out, lse,
         q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
-        *_strides(q, k, v, plane, out), **_meta(q, block_q, block_k),
+        *_strides(q, k, v, plane, out), **_forward_meta(q, TileSizes(*sizes)),
     )  # fmt: skip
     return out, lse
 
 
 @_masked_attention.register_fake
-def _(q, k, v, mask, key_tiles, key_counts, block_q, block_k, scale):
+def _(q, k, v, mask, key_tiles, key_counts, key_full, sizes, scale):
     batch, heads, q_len, _ = q.shape
     return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
 
-def _backward_arguments(q, k, v, mask, tiles, counts, grad_out, lse, delta, *grads, scale):
-    """(tensors, sizes, strides) of a backward kernel: its tile lists and counts, then the gradients it writes (dq
-    for the dq kernel, dk and dv for the dk / dv kernel)."""
+def _backward_arguments(q, k, v, mask, lists, grad_out, lse, delta, *grads, scale):
+    """(tensors, sizes, strides) of a backward kernel: its tile lists, counts and full counts, then the gradients
+    it writes (dq for the dq kernel, dk and dv for the dk / dv kernel)."""
     plane = mask[:, 0]
     heads = q.shape[1]
-    tensors = (q, k, v, plane, tiles, counts, grad_out, lse, delta, *grads)
-    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], tiles.shape[2], scale)
+    tensors = (q, k, v, plane, *lists, grad_out, lse, delta, *grads)
+    sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], lists[0].shape[2], scale)
     return tensors, sizes, _strides(q, k, v, plane, grad_out)
 
 
@@ -329,46 +434,44 @@ def _masked_attention_backward(
     delta: torch.Tensor,
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
+    key_full: torch.Tensor,
     query_tiles: torch.Tensor,
     query_counts: torch.Tensor,
+    query_full: torch.Tensor,
     sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq like q, dk like k, dv like v); grad_out [B, Q, N, D]; sizes = TileSizes; delta [B, N, Q] fp32."""
-    block_q, block_k, dkv_key, dkv_query = sizes
+    sizes = TileSizes(*sizes)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    tensors, scalars, strides = _backward_arguments(
-        q, k, v, mask, key_tiles, key_counts, grad_out, lse, delta, grad_q, scale=scale
-    )
+    key_lists, query_lists = (key_tiles, key_counts, key_full), (query_tiles, query_counts, query_full)
+    tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, grad_out, lse, delta, grad_q, scale=scale)
     _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
-        *tensors, *scalars, *strides, **_meta(q, block_q, block_k)
+        *tensors, *scalars, *strides, **_dq_meta(q, sizes)
     )
     tensors, scalars, strides = _backward_arguments(
-        q, k, v, mask, query_tiles, query_counts, grad_out, lse, delta, grad_k, grad_v, scale=scale
+        q, k, v, mask, query_lists, grad_out, lse, delta, grad_k, grad_v, scale=scale
     )
     _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
-        *tensors, *scalars, *strides, **_meta(q, dkv_query, dkv_key)
+        *tensors, *scalars, *strides, **_dkv_meta(q, sizes)
     )
     return grad_q, grad_k, grad_v
 
 
 @_masked_attention_backward.register_fake
-def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, query_tiles, query_counts, sizes, scale):
+def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, key_full, query_tiles, query_counts, query_full,
+      sizes, scale):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) -> None:
     """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
     out, delta as lse."""
-    sizes = tiles.sizes
-    tensors, scalars, strides = _backward_arguments(
-        q, k, v, mask, tiles.key_tiles, tiles.key_counts, out, lse, lse, q, scale=scale
-    )
-    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.query, sizes.key))
-    tensors, scalars, strides = _backward_arguments(
-        q, k, v, mask, tiles.query_tiles, tiles.query_counts, out, lse, lse, k, v, scale=scale
-    )
-    precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_meta(q, sizes.dkv_query, sizes.dkv_key))
+    key_lists, query_lists = tiles[1:4], tiles[4:7]
+    tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, out, lse, lse, q, scale=scale)
+    precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_dq_meta(q, tiles.sizes))
+    tensors, scalars, strides = _backward_arguments(q, k, v, mask, query_lists, out, lse, lse, k, v, scale=scale)
+    precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_dkv_meta(q, tiles.sizes))
 
 
 class LigerMaskedAttentionFunction(torch.autograd.Function):
@@ -379,22 +482,23 @@ class LigerMaskedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, tiles: AttentionTiles, scale):
-        out, lse = _masked_attention(q, k, v, mask, tiles.key_tiles, tiles.key_counts, *tiles.sizes[:2], scale)
+        sizes = list(tiles.sizes)
+        out, lse = _masked_attention(q, k, v, mask, *tiles[1:4], sizes, scale)
         if q.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
             _precompile_backward(q, k, v, mask, tiles, out, lse, scale)
         ctx.save_for_backward(q, k, v, mask, out, lse, *tiles[1:])
-        ctx.sizes, ctx.scale = list(tiles.sizes), scale
+        ctx.sizes, ctx.scale = sizes, scale
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_out):
-        q, k, v, mask, out, lse, key_tiles, key_counts, query_tiles, query_counts = ctx.saved_tensors
+        q, k, v, mask, out, lse, *lists = ctx.saved_tensors
         if grad_out.stride(3) != 1:
             grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, N, Q]
         grad_q, grad_k, grad_v = _masked_attention_backward(
-            grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, query_tiles, query_counts, ctx.sizes, ctx.scale
+            grad_out, q, k, v, mask, lse, delta, *lists, ctx.sizes, ctx.scale
         )
         return grad_q, grad_k, grad_v, None, None, None
 

@@ -100,29 +100,60 @@ def test_tiles_are_shared_and_checked(device):
         liger_masked_attention(q, k, v, mask, 0.25, tiles=wrong)
 
 
-def test_tile_lists_name_exactly_the_visible_tiles():
-    mask = random_mask(2, 70, 101, 0.02)
+def _expected_list(mask_rows_or_cols, size, count, along_keys) -> tuple[list[int], int]:
+    """The tiles a list names: full ones (inside the mask, every pair visible) first, then partial ones, each
+    ascending; and how many are full."""
+    blocks = [
+        mask_rows_or_cols[:, i * size : (i + 1) * size] if along_keys else mask_rows_or_cols[i * size : (i + 1) * size]
+        for i in range(count)
+    ]
+    inside = [block.shape[1 if along_keys else 0] == size for block in blocks]
+    full = [i for i, block in enumerate(blocks) if inside[i] and block.all()]
+    partial = [i for i, block in enumerate(blocks) if block.any() and i not in full]
+    return full + partial, len(full)
+
+
+@pytest.mark.parametrize("density", [0.02, 0.9])
+def test_tile_lists_name_exactly_the_visible_tiles_full_first(density):
+    mask = random_mask(2, 70, 101, density)
+    mask[1, 0, :64, :64] = True  # full tiles in both lists
     sizes = tile_sizes(torch.float32, 16)
     tiles = attention_tiles(mask, sizes)
+    full_seen = 0
     for b in range(2):
         for row in range(tiles.key_counts.shape[1]):
-            block = mask[b, 0, row * sizes.query : (row + 1) * sizes.query]
-            expected = [
-                col
-                for col in range(tiles.key_tiles.shape[2])
-                if block[:, col * sizes.key : (col + 1) * sizes.key].any()
-            ]
+            rows = mask[b, 0, row * sizes.query : (row + 1) * sizes.query]
+            if rows.shape[0] < sizes.query:  # a tile reaching past the mask is never full
+                rows = torch.cat([rows, rows.new_zeros(sizes.query - rows.shape[0], rows.shape[1])])
+            expected, full = _expected_list(rows, sizes.key, tiles.key_tiles.shape[2], along_keys=True)
             count = int(tiles.key_counts[b, row])
             assert tiles.key_tiles[b, row, :count].tolist() == expected
+            assert int(tiles.key_full[b, row]) == full
+            full_seen += full
         for col in range(tiles.query_counts.shape[1]):
-            block = mask[b, 0, :, col * sizes.dkv_key : (col + 1) * sizes.dkv_key]
-            expected = [
-                row
-                for row in range(tiles.query_tiles.shape[2])
-                if block[row * sizes.dkv_query : (row + 1) * sizes.dkv_query].any()
-            ]
+            cols = mask[b, 0, :, col * sizes.dkv_key : (col + 1) * sizes.dkv_key]
+            if cols.shape[1] < sizes.dkv_key:
+                cols = torch.cat([cols, cols.new_zeros(cols.shape[0], sizes.dkv_key - cols.shape[1])], dim=1)
+            expected, full = _expected_list(cols, sizes.dkv_query, tiles.query_tiles.shape[2], along_keys=False)
             count = int(tiles.query_counts[b, col])
             assert tiles.query_tiles[b, col, :count].tolist() == expected
+            assert int(tiles.query_full[b, col]) == full
+            full_seen += full
+    assert full_seen > 0
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (2, 2)])
+def test_full_and_partial_tiles_match_eager_fp32(device, heads, kv_heads):
+    """A causal mask and a DSpine mask over a long context: most visited tiles are full (no mask read)."""
+    causal = torch.ones(130, 150, dtype=torch.bool).tril(diagonal=20)[None, None].expand(2, 1, 130, 150).clone()
+    causal[1, 0, 7] = False  # an empty row inside a tile of the second sample
+    for mask in (causal, dspine_mask(batch=2, blocks=8, block_size=16, context=400)):
+        mask = mask.to(device)
+        tiles = attention_tiles(mask, tile_sizes(torch.float32, 16))
+        assert tiles.key_full.sum() > 0 and tiles.query_full.sum() > 0
+        assert (tiles.key_full < tiles.key_counts).any() and (tiles.query_full < tiles.query_counts).any()
+        q, k, v = make_qkv(2, heads, kv_heads, mask.shape[2], mask.shape[3], 16, device, torch.float32)
+        assert_matches(q, k, v, mask, 0.25, atol=2e-5, rtol=2e-5, tiles=tiles)
 
 
 def test_bad_inputs_are_named(device):
