@@ -92,7 +92,7 @@ def measure(anchors: int, context: int, baseline: str | None = None) -> list[dic
         for shape in ((BATCH, HEADS, q.shape[2], HEAD_DIM), (BATCH, q.shape[2], HEADS, HEAD_DIM))
     }
     prepared = prepare_mask(mask)
-    sizes = masked_attention.tile_sizes(torch.bfloat16, HEAD_DIM)
+    sizes = masked_attention.tile_sizes(torch.bfloat16, HEAD_DIM, "cuda")
     tiles = prepared.tiles(sizes, BATCH)
     visited = tiles.key_counts.sum().item() / tiles.key_tiles.numel()
     tiles_ms, _ = timed(lambda: masked_attention.attention_tiles(mask, sizes), torch)
@@ -210,7 +210,7 @@ def sweep(anchors: int, context: int) -> list[dict]:
 
         return tiles, forward, backward, (out, *backward())
 
-    default = ops.tile_sizes(torch.bfloat16, HEAD_DIM)
+    default = ops.tile_sizes(torch.bfloat16, HEAD_DIM, "cuda")
     _, _, _, reference = run(default)
     rows = []
     for group, sizes in sweep_candidates(default):

@@ -128,11 +128,13 @@ for step in "$@"; do
         --impl liger-dspine --layers 8 --seq 4096 2>&1 | tee "$OUT/profile_8x4096.txt"
       LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py \
         --impl liger-dspine --layers 2 --seq 16384 --no-time --memory-trace 2>&1 | tee "$OUT/profile_2x16384.txt" ;;
-    # the DeepSeek-V3 step of bench-compile (2 layers, 4096), eager and torch.compile'd: kernels and the peak's blocks
+    # a step of bench-compile (2 layers, 4096; PROFILE_MODEL, default deepseek_v3), eager and torch.compile'd:
+    # kernels and the peak's blocks
     profile-compile-step)
       for mode in "" --compile; do
         LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py --impl liger-dspine \
-          --layers 2 --seq 4096 --peak-blocks $mode 2>&1 | tee "$OUT/profile_compile_step${mode:+_compiled}.txt"
+          --model "${PROFILE_MODEL:-deepseek_v3}" --layers 2 --seq 4096 --peak-blocks $mode 2>&1 \
+          | tee "$OUT/profile_compile_step_${PROFILE_MODEL:-deepseek_v3}${mode:+_compiled}.txt"
       done ;;
     # a DeepSeek-family step at the family benchmark's depth and widths, 4096 tokens, transformers and liger-dspine
     # (with the benchmark's options); PROFILE_MODEL picks the model (default deepseek_v2)

@@ -17,6 +17,7 @@ row that sees no key returns zeros and gets zero gradients. Scores, softmax and 
 the inputs' dtype, as flash attention does.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -46,9 +47,25 @@ class TileSizes(NamedTuple):
     dkv_stages: int = 2
 
 
-def tile_sizes(dtype: torch.dtype, head_dim: int) -> TileSizes:
-    """Half precision up to D = 128 takes the large tiles; fp32 or wider heads halve them (shared memory)."""
+# Shared memory per block from which the tuned half-precision settings run: H100 / H200 (227 KiB), not A100 (163 KiB)
+_TUNED_SHARED_MEMORY = 200 * 1024
+
+
+@torch._dynamo.assume_constant_result
+def _shared_memory_per_block(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def tile_sizes(dtype: torch.dtype, head_dim: int, device: torch.device | None = None) -> TileSizes:
+    """Half precision up to D = 128 takes the large tiles: on a GPU with Hopper's shared memory the settings measured
+    best there (``bench_masked_attention.py --sweep``), elsewhere smaller ones; fp32 or wider heads halve them."""
     if dtype in (torch.bfloat16, torch.float16) and head_dim <= 128:
+        cuda = device is not None and torch.device(device).type == "cuda"
+        index = torch.device(device).index if cuda else None
+        if cuda and _shared_memory_per_block(torch.cuda.current_device() if index is None else index) >= (
+            _TUNED_SHARED_MEMORY
+        ):
+            return TileSizes(128, 128, 64, 64, 8, 2, 8, 2, 4, 3)
         return TileSizes(128, 64, 64, 64, 8, 3, 8, 3, 8, 3)
     return TileSizes(64, 32, 32, 32)
 
@@ -66,30 +83,40 @@ class AttentionTiles(NamedTuple):
     query_full: torch.Tensor  # int32 [B, K / dkv_key]
 
 
-def _tile_maps(mask: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Q, K] bool -> ([B, ceil(Q / rows), ceil(K / cols)] bool whether the tile holds any True, and whether all
-    of it is True; a tile reaching past the mask is never full)."""
-    batch, q_len, k_len = mask.shape
-    padded = F.pad(mask, (0, -k_len % cols, 0, -q_len % rows))
-    tiles = padded.view(batch, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
-    return tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
+def _pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zeros appended to the last two dims up to multiples of ``rows`` and ``cols``."""
+    extra_rows, extra_cols = -tensor.shape[-2] % rows, -tensor.shape[-1] % cols
+    return F.pad(tensor, (0, extra_cols, 0, extra_rows)) if extra_rows or extra_cols else tensor
 
 
-def _lists(visible: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, R, C] bool maps -> (the indices of the full entries, then of the partial ones, each ascending, then the
-    rest, [B, R, C] int32; the counts of visible entries [B, R]; of full entries [B, R])."""
+def _block_sums(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[B, R, C] -> [B, ceil(R / rows), ceil(C / cols)] int32: the sums of its [rows, cols] blocks."""
+    padded = _pad_to(tensor, rows, cols)
+    batch, height, width = padded.shape
+    blocks = padded.view(batch, height // rows, rows, width // cols, cols)
+    return blocks.sum(dim=(2, 4), dtype=torch.int32)
+
+
+def _lists(counts: torch.Tensor, tile_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Visible pairs per tile [B, R, C] -> (the indices of the full tiles, then of the partial ones, each ascending,
+    then the rest, [B, R, C] int32; the counts of visible tiles [B, R]; of full tiles [B, R])."""
+    visible, full = counts > 0, counts == tile_pairs
     rank = (~visible).to(torch.uint8) + (~full).to(torch.uint8)  # 0 full, 1 partial, 2 not visible
     order = torch.sort(rank, dim=-1, stable=True).indices
     return order.to(torch.int32), visible.sum(dim=-1, dtype=torch.int32), full.sum(dim=-1, dtype=torch.int32)
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
-    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes`` (two reductions and two sorts; a mask
-    shared by several layers needs them once)."""
-    plane = mask[:, 0]
-    key_lists = _lists(*_tile_maps(plane, sizes.query, sizes.key))
-    by_key = [m.transpose(1, 2) for m in _tile_maps(plane, sizes.dkv_query, sizes.dkv_key)]
-    query_lists = [t.contiguous() for t in _lists(*by_key)]
+    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes``: one pass over the mask counts the visible
+    pairs of the finest tiles both lists are made of (a tile reaching past the mask counts the missing part as not
+    visible, so it is never full), then two small sums and two sorts. A mask shared by several layers needs them
+    once."""
+    fine_rows, fine_cols = math.gcd(sizes.query, sizes.dkv_query), math.gcd(sizes.key, sizes.dkv_key)
+    counts = _block_sums(mask[:, 0].view(torch.uint8), fine_rows, fine_cols)
+    by_query = _block_sums(counts, sizes.query // fine_rows, sizes.key // fine_cols)
+    by_key = _block_sums(counts, sizes.dkv_query // fine_rows, sizes.dkv_key // fine_cols).transpose(1, 2)
+    key_lists = _lists(by_query, sizes.query * sizes.key)
+    query_lists = [t.contiguous() for t in _lists(by_key, sizes.dkv_query * sizes.dkv_key)]
     return AttentionTiles(sizes, *key_lists, *query_lists)
 
 
@@ -531,7 +558,7 @@ def liger_masked_attention(
 ) -> torch.Tensor:
     """Attention of q [B, N, Q, D] over k / v [B, N/g, K, D] (query head h reads key-value head h // g) under a
     bool mask [B or 1, 1, Q, K] (True = attend) -> [B, Q, N, D] in q's dtype. ``tiles`` (from
-    :func:`attention_tiles` with ``tile_sizes(q.dtype, D)``) may be shared by calls with the same mask."""
+    :func:`attention_tiles` with ``tile_sizes(q.dtype, D, q.device)``) may be shared by calls with the same mask."""
     check_kernel_device(query, "the masked attention")
     batch, heads, q_len, head_dim = query.shape
     kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
@@ -564,7 +591,7 @@ def liger_masked_attention(
     mask = mask.expand(batch, 1, q_len, key.shape[2])
     if mask.stride(3) != 1:
         mask = mask.contiguous()
-    sizes = tile_sizes(query.dtype, head_dim)
+    sizes = tile_sizes(query.dtype, head_dim, query.device)
     if tiles is None:
         tiles = attention_tiles(mask, sizes)
     elif tiles.sizes != sizes or tiles.key_counts.shape[0] != batch:

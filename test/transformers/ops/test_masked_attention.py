@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from liger_dspine.models.dspine.masks import causal_block_mask
+from liger_dspine.ops.masked_attention import TileSizes
 from liger_dspine.ops.masked_attention import attention_tiles
 from liger_dspine.ops.masked_attention import liger_masked_attention
 from liger_dspine.ops.masked_attention import tile_sizes
@@ -114,10 +115,11 @@ def _expected_list(mask_rows_or_cols, size, count, along_keys) -> tuple[list[int
 
 
 @pytest.mark.parametrize("density", [0.02, 0.9])
-def test_tile_lists_name_exactly_the_visible_tiles_full_first(density):
-    mask = random_mask(2, 70, 101, density)
-    mask[1, 0, :64, :64] = True  # full tiles in both lists
-    sizes = tile_sizes(torch.float32, 16)
+@pytest.mark.parametrize("sizes", [(64, 32, 32, 32), (128, 128, 64, 64), (32, 64, 16, 128)])
+def test_tile_lists_name_exactly_the_visible_tiles_full_first(density, sizes):
+    mask = random_mask(2, 170, 301, density)
+    mask[1, 0, :128, :128] = True  # full tiles in both lists
+    sizes = TileSizes(*sizes)
     tiles = attention_tiles(mask, sizes)
     full_seen = 0
     for b in range(2):

@@ -34,7 +34,7 @@ class LigerDSpineAttention(DSpineAttention):
         implementation = self.config._attn_implementation or "sdpa"
         dense = implementation in ("sdpa", "eager") and attention_mask.dense is not None
         if dense and masked_attention_runs(query, key, dropout):
-            tiles = attention_mask.tiles(tile_sizes(query.dtype, query.shape[-1]), query.shape[0])
+            tiles = attention_mask.tiles(tile_sizes(query.dtype, query.shape[-1], query.device), query.shape[0])
             out = liger_masked_attention(query, key, value, attention_mask.visible, self.scaling, tiles=tiles)
             return out.transpose(1, 2)
         if implementation == "sdpa" and attention_mask.dense is not None:
