@@ -243,7 +243,6 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
 
     kernel_ops = (
         "liger_dspine::grouped_experts",
-        "liger_dspine::grouped_experts_backward",
         "liger_dspine::grouped_experts_backward_",
         *FP8_EXPERTS_OPS,
     )
@@ -272,12 +271,10 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
         saved = ctx.saved_tensors  # unpacked once: gradient checkpointing allows a single unpack
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]
         args = (grad_out, *saved, ctx.gemm_dtype, need_x, need_weights, need_gate_up, need_down, ctx.limit, ctx.fp8)
-        # Eager: the fused backward writes d gate_up over the saved gate_up output (its version is bumped, so a second
-        # backward fails loudly). Compiled: a new buffer, as functionalisation would make one anyway.
-        if torch.compiler.is_compiling():
-            grads = _grouped_experts_backward(*args)
-        else:
-            grads = _grouped_experts_backward_(*args)
+        # The fused backward writes d gate_up over the saved gate_up output. Eager: its version is bumped, so a second
+        # backward fails loudly. Compiled: functionalisation turns the write into a copy, which inductor places in
+        # the saved buffer itself when AOT autograd donates it to the backward (no retain_graph), else in a new one.
+        grads = _grouped_experts_backward_(*args)
         grad_x, grad_weights, grad_gate_up, grad_down = (
             grad if need else None for grad, need in zip(grads, (need_x, need_weights, need_gate_up, need_down))
         )
@@ -412,31 +409,6 @@ def _backward_fake(grad_out, hidden_states, top_k_weights, gate_up_proj, down_pr
     )
 
 
-@liger_custom_op("liger_dspine::grouped_experts_backward", mutates_args=())
-def _grouped_experts_backward(
-    grad_out: torch.Tensor,
-    hidden_states: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    perm: torch.Tensor,
-    row_of_slot: torch.Tensor,
-    offsets: torch.Tensor,
-    gate_up: torch.Tensor,
-    dtype: torch.dtype,
-    need_x: bool,
-    need_weights: bool,
-    need_gate_up: bool,
-    need_down: bool,
-    limit: float | None = None,
-    fp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_weights, grad_gate_up, grad_down); an empty [0] tensor for each one not needed."""
-    args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
-    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place=False)
-    return _backward_outputs(grads, hidden_states)
-
-
 @liger_custom_op("liger_dspine::grouped_experts_backward_", mutates_args=("gate_up",))
 def _grouped_experts_backward_(
     grad_out: torch.Tensor,
@@ -456,13 +428,13 @@ def _grouped_experts_backward_(
     limit: float | None = None,
     fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_grouped_experts_backward` that may write d gate_up over the saved ``gate_up``."""
+    """(grad_x, grad_weights, grad_gate_up, grad_down), an empty [0] tensor for each one not needed; d gate_up may be
+    written over the saved ``gate_up``."""
     args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
     grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place=True)
     return _backward_outputs(grads, hidden_states)
 
 
-_grouped_experts_backward.register_fake(_backward_fake)
 _grouped_experts_backward_.register_fake(_backward_fake)
 
 

@@ -588,14 +588,27 @@ def liger_moe_router_topk(
     return weights.to(dtype), indices
 
 
+@liger_custom_op("liger_dspine::router_logits_weight_grad", mutates_args=())
+def _router_weight_grad(grad_logits: torch.Tensor, hidden_states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_logits [T, E] fp32 ^T @ hidden [T, H]`` in fp32 -> [E, H] in ``dtype``, the fp32 copy of hidden made
+    here."""
+    return grad_logits.t().mm(hidden_states.float()).to(dtype)
+
+
+@_router_weight_grad.register_fake
+def _(grad_logits, hidden_states, dtype):
+    return hidden_states.new_empty(grad_logits.shape[1], hidden_states.shape[1], dtype=dtype)
+
+
 class LigerRouterLogitsFunction(torch.autograd.Function):
     """``hidden [T, H] x weight [E, H] -> logits [T, E]`` in fp32, as ``F.linear(hidden.float(), weight.float())``.
 
     Same GEMMs as the native code, but it keeps ``hidden`` in its own dtype for the backward and casts it again
-    there, instead of holding an fp32 copy ([T, H] x 4 bytes) between forward and backward.
+    there, instead of holding an fp32 copy ([T, H] x 4 bytes) between forward and backward. The weight gradient is
+    one custom op of ``hidden``: under torch.compile the partitioner would otherwise keep the forward's fp32 copy.
     """
 
-    kernel_ops = ()  # torch ops only
+    kernel_ops = ("liger_dspine::router_logits_weight_grad",)
 
     @staticmethod
     def forward(ctx, hidden_states, weight):
@@ -610,7 +623,7 @@ class LigerRouterLogitsFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_hidden = grad_logits.mm(weight.float()).to(hidden_states.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = hidden_states.float().t().mm(grad_logits).t().to(weight.dtype)
+            grad_weight = _router_weight_grad(grad_logits, hidden_states, weight.dtype)
         return grad_hidden, grad_weight
 
 

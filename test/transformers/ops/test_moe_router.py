@@ -313,3 +313,39 @@ def test_tied_maximum_counts_twice_in_group_score(device):
     ref_weights, ref_indices = native_routing(logits, bias, TINY)
     assert sorted(indices[0].tolist()) == sorted(ref_indices[0].tolist()) == [0, 1]
     torch.testing.assert_close(weights, ref_weights)
+
+
+def test_compiled_router_logits_keep_no_fp32_copy_of_the_input():
+    """Under torch.compile the partitioner chooses what the forward hands the backward: the weight gradient is one
+    op of the bf16 input, so no fp32 [T, H] copy is kept (it would be twice the input's bytes per MoE layer)."""
+    from functorch.compile import make_boxed_func
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(32, 48, generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(8, 48, generator=generator).to(torch.bfloat16).requires_grad_()
+    handed_over = []
+
+    def forward_compiler(gm, example_inputs):
+        output = next(node for node in gm.graph.nodes if node.op == "output")
+        handed_over.extend(node.meta["val"] for node in output.args[0] if hasattr(node, "meta") and "val" in node.meta)
+        return make_boxed_func(gm.forward)
+
+    def step(h, w):
+        return liger_router_logits(h, w).square().sum()
+
+    torch._dynamo.reset()
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, inputs: make_boxed_func(gm.forward),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    compiled_grads = torch.autograd.grad(
+        torch.compile(step, backend=backend, fullgraph=True)(hidden, weight), (hidden, weight)
+    )
+    eager_grads = torch.autograd.grad(step(hidden, weight), (hidden, weight))
+    fp32_inputs = [t for t in handed_over if t.dtype == torch.float32 and tuple(t.shape) in ((32, 48), (48, 32))]
+    assert handed_over and not fp32_inputs, [(t.dtype, tuple(t.shape)) for t in handed_over]
+    for compiled, eager in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
