@@ -4,13 +4,15 @@ batches: do the loss curves meet?
 The goal of FP8 training: after 300 AdamW steps the FP8 run's loss within 0.5% (relative) of the bf16 run's, "at the
 end" being the mean of the last 20 steps' losses. Both runs train bench_deepseek_v3.py's slim DeepSeek-V3 (real
 widths, 16 routed experts top-2) at 2 layers, bf16 weights on the GPU, AdamW at a constant learning rate (3e-5: at
-1e-4 the loss jumps from 13 to 20 over the first steps at these widths), on the embedded text as bytes
-(``liger_dspine.demo.corpus_batches``: seeded windows, the same batches in the same order).
+1e-4 the loss jumps from 13 to 20 over the first steps at these widths), on bytes of text: seeded windows, the same
+batches in the same order. ``--corpus``: ``embedded`` is the package's 1.7 KB demo text
+(``liger_dspine.demo.corpus_batches``); ``transformers-source`` (the default) the installed transformers' Python
+sources in path order, tens of MB that 300 steps of 4096 tokens cannot learn by heart; or a glob of text files.
 The model is built once; its initial state dict, kept in host memory, is loaded into the second run's model, which
 is built after the first is freed. Per step: both losses. Per run: tokens/s over the steps after the first (forward,
-backward and optimizer step) and the peak memory (weights, gradients and AdamW state included). The text is 1.7 KB:
-the model has it by heart well before step 300 (loss about 0.04), where single steps' losses differ by several
-percent between the runs; the plot shows the difference over the whole run.
+backward and optimizer step) and the peak memory (weights, gradients and AdamW state included). The embedded text is
+learnt by heart well before step 300 (loss about 0.04), where single steps' losses differ by several percent between
+the runs; the plot shows the difference over the whole run.
 
 --budget-s: the bf16 run stops at half of the budget left, the FP8 run after as many steps as the bf16 one made or
 at the budget's end; what finished is written, and the table says the run stopped early. Exit code 0 when the
@@ -26,6 +28,7 @@ Writes data/fp8_convergence{,_tiny}.{csv,md} and .png (with matplotlib).
 import argparse
 import csv
 import gc
+import glob
 import math
 import os
 import statistics
@@ -48,6 +51,7 @@ from liger_dspine.demo import corpus_batches  # noqa: E402
 
 GOAL = 0.005  # |FP8 end loss - bf16 end loss| / bf16 end loss
 END_STEPS = 20  # the end loss: the mean of this many last steps
+CORPUS_NAMES = {"embedded": "the embedded text", "transformers-source": "the installed transformers' sources"}
 OUTPUT_RESERVE_S = 30  # of --budget-s: the second model's build and the files
 FIELDS = ["step", "bf16_loss", "fp8_loss"]
 # --tiny: every FP8 GEMM's dims multiples of 16 (kv_a_proj_with_mqa: kv_lora_rank + rope), a byte vocabulary
@@ -61,6 +65,31 @@ class Run:
     losses: list[float] = field(default_factory=list)
     tokens_per_s: float = float("nan")
     peak_gib: float = float("nan")
+
+
+def corpus_files(corpus: str) -> list[str]:
+    """The text files of ``--corpus`` (not ``embedded``), in path order."""
+    if corpus == "transformers-source":
+        import transformers
+
+        corpus = os.path.join(os.path.dirname(transformers.__file__), "**", "*.py")
+    files = sorted(glob.glob(corpus, recursive=True))
+    if not files:
+        raise SystemExit(f"bench_fp8_convergence.py: --corpus {corpus!r} matches no file")
+    return files
+
+
+def text_batches(corpus: str, seq_len: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """[steps] batches of [batch_size, seq_len] byte ids: seeded windows of the corpus."""
+    if corpus == "embedded":
+        return corpus_batches(seq_len=seq_len, batch_size=batch_size, steps=steps, seed=seed)
+    text = b"".join(open(path, "rb").read() for path in corpus_files(corpus))
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    if len(tokens) <= seq_len:
+        raise SystemExit(f"bench_fp8_convergence.py: --corpus {corpus!r} holds {len(tokens)} bytes, not > --seq")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - seq_len, (steps, batch_size), generator=generator)
+    return [torch.stack([tokens[start : start + seq_len] for start in row]) for row in starts]
 
 
 def model_config(layers: int, tiny: bool, seq: int):
@@ -159,7 +188,8 @@ def summary(runs: dict[str, Run], args, device_name: str) -> str:
         f"End loss: the mean of the last {min(END_STEPS, steps)} steps' losses; relative difference: (FP8 - bf16) / "
         f"bf16. tokens/s: forward, backward and AdamW step, over the steps after the first.",
         f"DeepSeek-V3 {'tiny' if args.tiny else 'slim (real widths, 16 routed experts top-2)'}, {args.layers} layers, "
-        f"batch {args.batch} x {args.seq} tokens of the embedded text (bytes), AdamW lr {args.lr:g}, "
+        f"batch {args.batch} x {args.seq} tokens of {CORPUS_NAMES.get(args.corpus, args.corpus)} (bytes), AdamW lr "
+        f"{args.lr:g}, "
         f"{'fp32 on the CPU (FP8 reference path)' if args.tiny else 'bf16 weights'}; liger-dspine defaults against "
         f"fp8=True. Device: {device_name}, torch {torch.__version__}.",
     ]
@@ -210,11 +240,17 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, help="rows per step (default 4, 1 with --tiny)")
     parser.add_argument("--lr", type=float, help="AdamW learning rate (default 3e-5, 3e-3 with --tiny)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument(
+        "--corpus",
+        help="embedded, transformers-source or a glob of text files (default transformers-source; --tiny: embedded)",
+    )
     parser.add_argument("--budget-s", type=float, help="seconds for both runs (run_gpu.sh passes it); default none")
     parser.add_argument("--out", default=os.path.join(HERE, "data"), help="where the files go (default benchmark/data)")
     parser.add_argument("--replot", metavar="CSV", help="redraw the plot of a CSV this script wrote, and exit")
     args = parser.parse_args(argv)
-    defaults = dict(steps=4, seq=16, batch=1, lr=3e-3) if args.tiny else dict(steps=300, seq=1024, batch=4, lr=3e-5)
+    defaults = dict(steps=4, seq=16, batch=1, lr=3e-3, corpus="embedded")
+    if not args.tiny:
+        defaults = dict(steps=300, seq=1024, batch=4, lr=3e-5, corpus="transformers-source")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -233,7 +269,7 @@ def main(argv=None) -> int:
     if not args.tiny and not cuda:
         raise SystemExit("bench_fp8_convergence.py needs a CUDA GPU with FP8 (sm 9.0 or 10.0); --tiny runs on a CPU")
     config = model_config(args.layers, args.tiny, args.seq)
-    batches = corpus_batches(seq_len=args.seq, batch_size=args.batch, steps=args.steps, seed=0)
+    batches = text_batches(args.corpus, seq_len=args.seq, batch_size=args.batch, steps=args.steps, seed=0)
     runs, initial = {}, None
     for label, fp8 in (("bf16", False), ("fp8", True)):
         model = build(config, device, dtype, initial)

@@ -75,3 +75,22 @@ def test_a_run_out_of_budget_stops_after_one_step_each_and_says_so(tmp_path, ref
     markdown = (tmp_path / "fp8_convergence_tiny.md").read_text()
     assert summary_row(markdown)["steps"] == "1"
     assert "Stopped early (--budget-s 0): 1 of 3 steps." in markdown
+
+
+def test_a_corpus_of_files_gives_seeded_windows_of_their_bytes_in_path_order(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "bench_fp8_convergence", os.path.join(ROOT, "benchmark", "bench_fp8_convergence.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "b.txt").write_bytes(bytes(range(100, 200)))
+    (tmp_path / "a.txt").write_bytes(bytes(range(0, 100)))
+    batches = module.text_batches(str(tmp_path / "*.txt"), seq_len=8, batch_size=3, steps=4, seed=0)
+    again = module.text_batches(str(tmp_path / "*.txt"), seq_len=8, batch_size=3, steps=4, seed=0)
+    assert len(batches) == 4 and all(b.shape == (3, 8) for b in batches)
+    for batch, same in zip(batches, again):
+        assert batch.equal(same)
+        for row in batch.tolist():  # a window of a.txt then b.txt: consecutive byte values
+            assert row == list(range(row[0], row[0] + 8))
+    with pytest.raises(SystemExit, match="matches no file"):
+        module.text_batches(str(tmp_path / "*.md"), seq_len=8, batch_size=1, steps=1, seed=0)
