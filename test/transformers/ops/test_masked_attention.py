@@ -193,3 +193,19 @@ def test_cuda_fp32_and_fp16():
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
         q, k, v = make_qkv(2, 4, 2, 200, 333, 64, "cuda", dtype)
         assert_matches(q, k, v, mask, 0.125, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "shared_kib, expected", [(227, (128, 128, 64, 64, 8, 2, 8, 2, 4, 3)), (163, (128, 64, 64, 64, 8, 3, 8, 3, 8, 3))]
+)
+def test_half_precision_settings_follow_the_gpus_shared_memory(monkeypatch, shared_kib, expected):
+    """The swept settings need Hopper's shared memory per block; smaller GPUs (A100, Ada) keep the smaller ones. fp32
+    and a CPU take their own."""
+    from liger_dspine.ops import masked_attention
+
+    monkeypatch.setattr(masked_attention, "_shared_memory_per_block", lambda index: shared_kib * 1024)
+    assert tuple(tile_sizes(torch.bfloat16, 128, torch.device("cuda", 0))) == expected
+    assert tuple(tile_sizes(torch.float16, 64, "cuda:0")) == expected
+    assert tuple(tile_sizes(torch.bfloat16, 256, "cuda:0")) == (64, 32, 32, 32, 4, 2, 4, 2, 4, 2)
+    assert tuple(tile_sizes(torch.float32, 128, "cuda:0")) == (64, 32, 32, 32, 4, 2, 4, 2, 4, 2)
+    assert tuple(tile_sizes(torch.bfloat16, 128, "cpu")) == (128, 64, 64, 64, 8, 3, 8, 3, 8, 3)
