@@ -149,6 +149,7 @@ def main(argv=None):
         with open(os.path.join(args.out, f"{args.engine}_{args.impl}.json"), "w") as f:
             json.dump(result, f)
         print(json.dumps({k: v for k, v in result.items() if k != "losses"}), "final loss", losses[-1])
+    dist.barrier()  # every rank done with its collectives before the groups go (gloo aborts a rank torn down early)
     dist.destroy_process_group()
 
 
