@@ -213,6 +213,21 @@ def loss_and_grads(model: torch.nn.Module, *args, **kwargs):
     return output, grads_of(model)
 
 
+def train_on_batches(model: torch.nn.Module, batches, steps: int, optimizer) -> torch.Tensor:
+    """``steps`` training steps (language-model loss, the batch as its own labels) cycling through ``batches``: the
+    losses as an fp32 tensor."""
+    model.train()
+    losses = []
+    for step in range(steps):
+        input_ids = batches[step % len(batches)]
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
 def assert_grads_close(actual: dict, expected: dict, atol: float, rtol: float) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from liger_dspine import apply_liger_kernel_to_deepseek_v3  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 from tiny_models import tiny_deepseek_v3_config  # noqa: E402
+from tiny_models import train_on_batches  # noqa: E402
 
 STEPS = 8
 TOP_K = 5
@@ -30,17 +31,7 @@ TOLERANCES = {
 
 
 def train(model, batches, steps):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    model.train()
-    losses = []
-    for step in range(steps):
-        input_ids = batches[step % len(batches)]
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
+    return train_on_batches(model, batches, steps, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
 
 
 def run_pair(dtype, device, fused_linear_cross_entropy: bool, seq: int = 16):

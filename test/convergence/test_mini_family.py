@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiny_family import CASES  # noqa: E402
+from tiny_models import train_on_batches  # noqa: E402
 
 TOP_K = 5
 CPU_SUBSET = ("deepseek_v2", "minicpm3")
@@ -36,17 +37,7 @@ TOLERANCES = {
 
 
 def train(model, batches, steps):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    model.train()
-    losses = []
-    for step in range(steps):
-        input_ids = batches[step % len(batches)]
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
+    return train_on_batches(model, batches, steps, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
 
 
 def top_log_probs(model, input_ids):

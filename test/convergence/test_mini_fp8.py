@@ -19,6 +19,7 @@ from liger_dspine.ops import fp8_quantize  # noqa: E402
 from tiny_family import CASES  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 from tiny_models import tiny_deepseek_v3_config  # noqa: E402
+from tiny_models import train_on_batches  # noqa: E402
 
 STEPS = 8
 # Plain SGD: its update is the sum of the gradients, so the weights carry the gradients' error as it is (AdamW's
@@ -56,17 +57,7 @@ def build(model_type: str, dtype: torch.dtype, device: str):
 
 
 def train(model, batches, steps):
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    model.train()
-    losses = []
-    for step in range(steps):
-        input_ids = batches[step % len(batches)]
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
+    return train_on_batches(model, batches, steps, torch.optim.SGD(model.parameters(), lr=LR))
 
 
 def assert_updates_agree(fp8, default, initial, dtype):
