@@ -151,6 +151,23 @@ def _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, BY_KE
 
 
 @triton.jit
+def _key_tile_scores(
+    key_tile, q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs, stride_mq, qk_scale,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(k, v, scaled scores [rows, keys]) of one key tile of a forward / dq program, -inf where a partial tile's
+    mask hides a pair."""
+    keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    key_ok = keys < k_len
+    k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
+    v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if PARTIAL:
+        scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+    return k, v, scores
+
+
+@triton.jit
 def _forward_visits(
     acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
     k_len, stride_ks, stride_vs, stride_mq, qk_scale,
@@ -159,14 +176,10 @@ def _forward_visits(
     """The online softmax over the key tiles ``list_ptr[start:end]``. Full tiles (PARTIAL off) read neither the
     mask nor bounds."""
     for i in range(start, end):
-        key_tile = tl.load(list_ptr + i)
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-        key_ok = keys < k_len
-        k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
-        v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if PARTIAL:
-            scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+        k, v, scores = _key_tile_scores(
+            tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
+            stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
+        )  # fmt: skip
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         shift = new_max
         if PARTIAL:
@@ -237,14 +250,10 @@ def _dq_visits(
 ):  # fmt: skip
     """acc += sum over the key tiles ``list_ptr[start:end]`` of p (dO.v - delta) k."""
     for i in range(start, end):
-        key_tile = tl.load(list_ptr + i)
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-        key_ok = keys < k_len
-        k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
-        v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if PARTIAL:
-            scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+        k, v, scores = _key_tile_scores(
+            tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
+            stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
+        )  # fmt: skip
         p = tl.math.exp2(scores - lse2[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[:, None])
