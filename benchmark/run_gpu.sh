@@ -5,7 +5,7 @@
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
 #         | profile-dspine | profile-dspine-objective | bench-masked-attention | bench-masked-attention-sweep | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
-#         | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-step | bench-fp8-convergence
+#         | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-quantize | profile-fp8-step | bench-fp8-step | bench-fp8-convergence
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -212,6 +212,14 @@ for step in "$@"; do
     bench-drafter-acceptance) BENCH_SCRIPT=benchmark/bench_drafter_acceptance.py run_bench ;;
     # the GEMMs of a DeepSeek-V3 layer, bf16 against the FP8 rowwise ops (forward + backward, quantisation included)
     bench-fp8-gemm) BENCH_SCRIPT=benchmark/bench_fp8_gemm.py run_bench ;;
+    # the FP8 quantisers alone at the step's shapes: GB/s against a copy of the same bytes
+    # where the FP8 step's time goes, beside the bf16 defaults' (8 layers, 4096 tokens): kernels by category
+    profile-fp8-step)
+      for options in '{}' '{"fp8": true}'; do
+        timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py --impl liger-dspine --layers 8 --seq 4096 \
+          --top 40 --options "$options"
+      done 2>&1 | tee "$OUT/profile_fp8_step.txt" ;;
+    bench-fp8-quantize) BENCH_SCRIPT=benchmark/bench_fp8_quantize.py run_bench ;;
     # the DeepSeek-V3 step with fp8=True beside the bf16 defaults, side by side (2 and 8 layers, 4096 tokens)
     bench-fp8-step) run_bench --suite custom --impls liger-dspine --shapes 2x4096,8x4096 --name fp8_step \
       --variant 'liger-dspine-fp8={"fp8": true}' ;;
@@ -239,7 +247,7 @@ for step in "$@"; do
         --models deepseek_v3,deepseek_v2,glm4_moe_lite,deepseek_v4 --jobs 8 --timeout "${TF_TESTS_TIMEOUT_S:-$((limit - 60))}" \
         --out-dir "$OUT/transformers_model_tests"
       tar -C "$OUT" -czf "$OUT/transformers_model_tests.tar.gz" transformers_model_tests && rm -r "$OUT/transformers_model_tests" ;;
-    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter | bench-drafter-acceptance | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-step | bench-fp8-convergence)" ;;
+    *) echo "unknown step $step (tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults | profile | profile-dspine | profile-dspine-objective | profile-family | profile-compile | bench-dspine* | bench-family* | bench-sink-attention | bench-candidate-scores | bench-masked-attention | bench-capture | train-drafter | bench-drafter-acceptance | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-quantize | profile-fp8-step | bench-fp8-step | bench-fp8-convergence)" ;;
   esac
   echo "=== $step: exit code $?, $(($(date +%s) - START)) s since the start"
 done
