@@ -7,12 +7,14 @@ side by side in one run:
 
 - ``triton``: the op of ``liger_dspine.ops.fp8_quantize`` (rows, columns or group columns);
 - ``torch``: the same quantisation written in torch (its reference function), eager;
+- ``baseline`` (with ``--baseline FILE``): the op of another version of ``ops/fp8_quantize.py``;
 - ``copy``: ``torch.Tensor.copy_`` of as many bytes as the op must move at least (one read of the input, one write
   of the fp8 values), the bandwidth a quantiser could reach.
 
 and reports each one's GB/s on the bytes it must move, and the op's share of the copy's rate.
 
     python benchmark/bench_fp8_quantize.py           # a GPU
+    python benchmark/bench_fp8_quantize.py --baseline OLD/fp8_quantize.py   # and another version, side by side
     python benchmark/bench_fp8_quantize.py --tiny    # CPU check of the script (no timing)
 
 Writes data/fp8_quantize{,_tiny}.{csv,md} and .png (with matplotlib).
@@ -36,6 +38,7 @@ from liger_dspine.ops.fp8_quantize import quantize_rowwise  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_rowwise_reference  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ENTRY_POINTS = {"rows": "quantize_rowwise", "columns": "quantize_columns", "group columns": "quantize_group_columns"}
 FIELDS = ["operand", "layout", "shape", "impl", "ms", "gb_per_s", "of_copy"]
 
 # (operand, layout, shape, groups): what one FP8 step of the slim DeepSeek-V3 quantises, 4096 tokens
@@ -67,6 +70,24 @@ OPS = {
 }
 
 
+def load_baseline(path: str):
+    """Another version of ops/fp8_quantize.py, its custom ops registered under the namespace liger_dspine_baseline
+    (the names of this version's ops are taken)."""
+    import types
+
+    with open(path) as handle:
+        source = handle.read().replace('"liger_dspine::', '"liger_dspine_baseline::')
+    module = types.ModuleType("baseline_fp8_quantize")
+    module.__file__ = os.path.abspath(path)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    as_bits = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bits(a), as_bits(b))
+
+
 def min_bytes(shape, dtype) -> int:
     """One read of the input and one write of its fp8 values."""
     elements = 1
@@ -75,7 +96,7 @@ def min_bytes(shape, dtype) -> int:
     return elements * (torch.empty((), dtype=dtype).element_size() + 1)
 
 
-def measure(operand, layout, shape, groups, device, repeats):
+def measure(operand, layout, shape, groups, device, repeats, baseline=None):
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(shape, device=device, generator=generator).to(dtype)
@@ -87,9 +108,12 @@ def measure(operand, layout, shape, groups, device, repeats):
     source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     paths = {"triton": lambda: kernel(*args), "torch": lambda: reference(*args), "copy": lambda: target.copy_(source)}
-    q_kernel, q_reference = kernel(*args)[0], reference(*args)[0]
-    if not torch.equal(q_kernel.view(torch.uint8), q_reference.view(torch.uint8)):
-        raise AssertionError(f"{operand} {layout}: the Triton quantiser's values differ from the torch reference")
+    if baseline is not None:
+        paths["baseline"] = lambda op=getattr(baseline, ENTRY_POINTS[layout]): op(*args)
+    expected = reference(*args)
+    for impl in ("triton", "baseline")[: len(paths) - 2]:
+        if not all(map(bit_equal, paths[impl](), expected)):
+            raise AssertionError(f"{operand} {layout}: the {impl} quantiser's output differs from the torch reference")
     rows, copy_ms = [], None
     for impl, function in paths.items():
         ms = statistics.median(event_times_ms(function, torch, repeats, warmup=3)) if device == "cuda" else float("nan")
@@ -114,7 +138,7 @@ def plot(rows, path):
     labels = [f"{r['operand']}, {r['layout']}" for r in rows if r["impl"] == "copy"]
     figure, axis = plt.subplots(figsize=(9, 0.35 * len(labels) + 1.5))
     height = 0.27
-    for i, impl in enumerate(("triton", "torch", "copy")):
+    for i, impl in enumerate(("triton", "torch", "copy")):  # (a baseline's rows are in the table)
         values = [r["gb_per_s"] for r in rows if r["impl"] == impl]
         axis.barh([j + (i - 1) * height for j in range(len(values))], values, height, label=impl)
     axis.set_yticks(range(len(labels)), labels, fontsize=7)
@@ -132,28 +156,37 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (no timing)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(HERE, "data"))
+    parser.add_argument("--baseline", help="another version of ops/fp8_quantize.py, measured beside this one")
     parser.add_argument("--budget-s", type=float, help="accepted for run_gpu.sh")
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     operands = TINY_OPERANDS if args.tiny else OPERANDS
+    baseline = load_baseline(args.baseline) if args.baseline else None
     rows = []
     for operand in operands:
-        rows += measure(*operand, device, args.repeats)
+        rows += measure(*operand, device, args.repeats, baseline)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "fp8_quantize" + ("_tiny" if args.tiny else ""))
     with open(stem + ".csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| operand | layout | triton ms | torch ms | copy ms | triton GB/s | triton / copy | torch / copy |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for i in range(0, len(rows), 3):
-        t, r, c = rows[i : i + 3]
-        lines.append(f"| {t['operand']} | {t['layout']} | {t['ms']:.3f} | {r['ms']:.3f} | {c['ms']:.3f} | "
-                     f"{t['gb_per_s']:.0f} | {t['of_copy']:.0%} | {r['of_copy']:.0%} |")  # fmt: skip
-    triton_ms = sum(r["ms"] for r in rows if r["impl"] == "triton")
-    copy_ms = sum(r["ms"] for r in rows if r["impl"] == "copy")
-    lines.append(f"| all of the above | | {triton_ms:.3f} | | {copy_ms:.3f} | | {copy_ms / triton_ms:.0%} | |")
+    impls = ["triton", "torch", "copy"] + (["baseline"] if args.baseline else [])
+    by_case = {}
+    for r in rows:
+        by_case.setdefault((r["operand"], r["layout"]), {})[r["impl"]] = r
+    lines = ["| operand | layout | " + " | ".join(f"{i} ms" for i in impls) + " | triton GB/s | "
+             + " | ".join(f"{i} / copy" for i in impls if i != "copy") + " |",
+             "|---|---|" + "---:|" * (2 * len(impls))]  # fmt: skip
+    for (operand, layout), case in list(by_case.items()) + [(("all of the above", ""), None)]:
+        if case is None:  # totals
+            case = {i: dict(ms=sum(c[i]["ms"] for c in by_case.values())) for i in impls}
+            for i in impls:
+                case[i]["of_copy"] = case["copy"]["ms"] / case[i]["ms"]
+            case["triton"]["gb_per_s"] = float("nan")
+        lines.append(f"| {operand} | {layout} | " + " | ".join(f"{case[i]['ms']:.3f}" for i in impls)
+                     + f" | {case['triton']['gb_per_s']:.0f} | "
+                     + " | ".join(f"{case[i]['of_copy']:.0%}" for i in impls if i != "copy") + " |")  # fmt: skip
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines += ["", f"device: {device_name}, torch {torch.__version__}; GB/s on one bf16 read and one fp8 write"]
     with open(stem + ".md", "w") as handle:

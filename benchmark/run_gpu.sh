@@ -28,6 +28,7 @@
 #                  ("hf liger-dspine") and liger-dspine options (JSON; hf ignores them)
 #   TF_TESTS_TIMEOUT_S  transformers-tests: seconds per pytest run (default: what is left, less 60)
 #   MASKED_ATTENTION_BASELINE  bench-masked-attention: a file of another ops/masked_attention.py to measure too
+#   FP8_QUANTIZE_BASELINE  bench-fp8-quantize: a file of another ops/fp8_quantize.py to measure too
 #   PYTEST_K       a pytest -k expression (may contain spaces), e.g. "head_grouped or compile"; convergence
 #                  runs "bf16 and (PYTEST_K)"
 set -u -o pipefail
@@ -219,7 +220,8 @@ for step in "$@"; do
         timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py --impl liger-dspine --layers 8 --seq 4096 \
           --top 40 --options "$options"
       done 2>&1 | tee "$OUT/profile_fp8_step.txt" ;;
-    bench-fp8-quantize) BENCH_SCRIPT=benchmark/bench_fp8_quantize.py run_bench ;;
+    bench-fp8-quantize) BENCH_SCRIPT=benchmark/bench_fp8_quantize.py \
+      run_bench ${FP8_QUANTIZE_BASELINE:+--baseline "$FP8_QUANTIZE_BASELINE"} ;;
     # the DeepSeek-V3 step with fp8=True beside the bf16 defaults, side by side (2 and 8 layers, 4096 tokens)
     bench-fp8-step) run_bench --suite custom --impls liger-dspine --shapes 2x4096,8x4096 --name fp8_step \
       --variant 'liger-dspine-fp8={"fp8": true}' ;;
