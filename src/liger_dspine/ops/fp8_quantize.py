@@ -10,7 +10,8 @@ of at most 2^-10 * scale below e4m3's normal range (|v| < 2^-6 * scale).
 
 Three layouts, each writing the fp8 values and the scales once:
 
-- rows:          x [M, C] -> q [M, C], scale [M]; one read of x (a row at a time in registers, for C <= 8192).
+- rows:          x [M, C] -> q [M, C], scale [M]; one read of x (rows in registers, for C <= 8192; a program
+                 takes 8192 // C rows, C rounded up to a power of 2).
 - columns:       x [..., M, C] -> q [..., C, Mp], scale [..., C]: scaled along M, written transposed (the K-major
                  operand of a backward GEMM), with zero columns from M up to Mp = M rounded up to 16.
 - group columns: x [S, C] with group ends offs [E] -> q [C, Sp], scale [E, C]: per group of rows, scaled along
@@ -48,6 +49,7 @@ EPS = 1e-12
 ALIGN = 16  # rows per padded block: 16 bytes of fp8
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ROW_BLOCK = 8192  # one register-resident pass per row up to this width
+_ROW_PROGRAM_ELEMENTS = 8192  # rows kernel: narrower rows share a program, up to this many elements
 _COLUMN_BLOCK = 64
 _ROW_STEP = 64
 _ROWS_PER_PROGRAM = 256  # column kernels: rows of one program (a [256, 64] block), in steps of _ROW_STEP
@@ -91,29 +93,31 @@ def _quantized(x, scale):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, cols, x_stride, q_stride, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    q_row = q_ptr + row * q_stride
-    offsets = tl.arange(0, BLOCK)
+    x_ptr, q_ptr, scale_ptr, rows, cols, x_stride, q_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = row < rows
+    x_rows = x_ptr + row[:, None] * x_stride
+    q_rows = q_ptr + row[:, None] * q_stride
+    offsets = tl.arange(0, BLOCK)[None, :]
     if ONE_PASS:
-        mask = offsets < cols
-        x = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
-        scale = _scale_of(tl.max(tl.abs(x), axis=0))
-        tl.store(q_row + offsets, _quantized(x, scale), mask=mask)
+        mask = row_mask[:, None] & (offsets < cols)
+        x = tl.load(x_rows + offsets, mask=mask, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.max(tl.abs(x), axis=1))
+        tl.store(q_rows + offsets, _quantized(x, scale[:, None]), mask=mask)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for start in range(0, cols, BLOCK):
-            mask = start + offsets < cols
-            x = tl.load(x_row + start + offsets, mask=mask, other=0.0).to(tl.float32)
+            mask = row_mask[:, None] & (start + offsets < cols)
+            x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = _scale_of(tl.max(amax, axis=0))
+        scale = _scale_of(tl.max(amax, axis=1))
         for start in range(0, cols, BLOCK):
-            mask = start + offsets < cols
-            x = tl.load(x_row + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + start + offsets, _quantized(x, scale), mask=mask)
-    tl.store(scale_ptr + row, scale)
+            mask = row_mask[:, None] & (start + offsets < cols)
+            x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_rows + start + offsets, _quantized(x, scale[:, None]), mask=mask)
+    tl.store(scale_ptr + row, scale, mask=row_mask)
 
 
 @triton.jit
@@ -304,9 +308,10 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block = min(triton.next_power_of_2(max(cols, 1)), _MAX_ROW_BLOCK)
-        _quantize_rows_kernel[(rows,)](
-            x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=cols <= block,
-            num_warps=8 if block >= 2048 else 4,
+        rows_per_program = max(1, _ROW_PROGRAM_ELEMENTS // block)
+        _quantize_rows_kernel[(triton.cdiv(rows, rows_per_program),)](
+            x, q, scale, rows, cols, x.stride(0), q.stride(0), ROWS=rows_per_program, BLOCK=block,
+            ONE_PASS=cols <= block, num_warps=8 if rows_per_program * block >= 2048 else 4,
         )  # fmt: skip
     return q, scale
 
