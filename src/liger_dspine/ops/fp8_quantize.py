@@ -201,8 +201,9 @@ def _quantize_group_columns_kernel(
     c_mask = c < cols
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     end = tl.load(offs_ptr + group)
-    padded_start = tl.load(padded_offs_ptr + group - 1, mask=group > 0, other=0)
-    padded_count = tl.load(padded_offs_ptr + group) - padded_start
+    # padded group bounds are multiples of 16: said so, the fp8 stores along rows are 16-byte vectors
+    padded_start = tl.multiple_of(tl.load(padded_offs_ptr + group - 1, mask=group > 0, other=0), 16)
+    padded_count = tl.multiple_of(tl.load(padded_offs_ptr + group) - padded_start, 16)
     # the last group also zeroes the columns up to Sp (never read by a GEMM, but defined)
     written = tl.where(group == groups - 1, padded_rows - padded_start, padded_count)
     m = tl.arange(0, BLOCK_M)
