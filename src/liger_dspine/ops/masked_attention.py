@@ -121,7 +121,8 @@ def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
-# Scores are kept in base 2 (scaled by log2(e)) so the softmax takes exp2; the stored log-sum-exp is in base e.
+# The softmax works in base 2: q.k is scaled by scale * log2(e) inside exp2's argument (one FMA with the shift), and
+# the running maximum is kept in those units; the stored log-sum-exp is in base e.
 @triton.jit
 def _load_rows(base, rows, row_ok, stride, dims, PARTIAL: tl.constexpr):
     """[len(rows), D] at ``base + rows * stride``; rows out of range read zeros (only a partial tile has any)."""
@@ -155,13 +156,13 @@ def _key_tile_scores(
     key_tile, q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs, stride_mq, qk_scale,
     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(k, v, scaled scores [rows, keys]) of one key tile of a forward / dq program, -inf where a partial tile's
-    mask hides a pair."""
+    """(k, v, scores q.k [rows, keys], unscaled) of one key tile of a forward / dq program, -inf where a partial
+    tile's mask hides a pair."""
     keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     key_ok = keys < k_len
     k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
     v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if PARTIAL:
         scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
     return k, v, scores
@@ -180,11 +181,11 @@ def _forward_visits(
             tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
             stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
         )  # fmt: skip
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1) * qk_scale)
         shift = new_max
         if PARTIAL:
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
-        p = tl.math.exp2(scores - shift[:, None])
+        p = tl.math.exp2(scores * qk_scale - shift[:, None])
         alpha = tl.math.exp2(running_max - shift)
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -254,7 +255,7 @@ def _dq_visits(
             tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
             stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
         )  # fmt: skip
-        p = tl.math.exp2(scores - lse2[:, None])
+        p = tl.math.exp2(scores * qk_scale - lse2[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[:, None])
         acc += tl.dot(grad_scores.to(k.dtype), k, input_precision=PRECISION)
@@ -320,10 +321,10 @@ def _dkv_visits(
         grad_out = _load_rows(grad_out_base, rows, row_ok, stride_os, dims, PARTIAL)
         lse2 = _load_stats(lse_base + rows, row_ok, float("inf"), PARTIAL) * 1.4426950408889634
         delta = _load_stats(delta_base + rows, row_ok, 0.0, PARTIAL)
-        scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        scores = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if PARTIAL:
             scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, True)
-        p = tl.math.exp2(scores - lse2[None, :])
+        p = tl.math.exp2(scores * qk_scale - lse2[None, :])
         grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
         grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[None, :])
