@@ -1,0 +1,45 @@
+"""benchmark/bench_fp8_quantize.py --tiny on the CPU: every layout's row for each implementation, a baseline file
+loaded beside the package's quantisers, and a quantiser that differs from the torch reference refused."""
+
+import csv
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # the script's own imports (cuda_timing)
+QUANTIZE_SOURCE = os.path.join(ROOT, "src", "liger_dspine", "ops", "fp8_quantize.py")
+
+
+def load_script():
+    path = os.path.join(ROOT, "benchmark", "bench_fp8_quantize.py")
+    spec = importlib.util.spec_from_file_location("bench_fp8_quantize", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_with_a_baseline_writes_every_row(tmp_path):
+    assert load_script().main(["--tiny", "--out", str(tmp_path), "--baseline", QUANTIZE_SOURCE]) == 0
+    with open(tmp_path / "fp8_quantize_tiny.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    layouts = ("rows", "columns", "group columns")
+    impls = ("triton", "torch", "copy", "baseline")
+    assert [(r["layout"], r["impl"]) for r in rows] == [(layout, impl) for layout in layouts for impl in impls]
+    table = (tmp_path / "fp8_quantize_tiny.md").read_text()
+    assert "baseline ms" in table and table.count("| tiny |") == 3
+
+
+def test_a_quantiser_that_differs_from_the_reference_is_refused(tmp_path, monkeypatch):
+    script = load_script()
+    rows_op, reference = script.OPS["rows"]
+
+    def doubled_scale(x):
+        q, scale = rows_op(x)
+        return q, scale * 2
+
+    monkeypatch.setitem(script.OPS, "rows", (doubled_scale, reference))
+    with pytest.raises(AssertionError, match="rows: the triton quantiser's output differs"):
+        script.main(["--tiny", "--out", str(tmp_path)])
