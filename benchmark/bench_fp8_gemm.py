@@ -11,6 +11,7 @@ off; the error against an fp64 product says what it costs in accuracy.
 
     python benchmark/bench_fp8_gemm.py            # a GPU with FP8 (sm 8.9+)
     python benchmark/bench_fp8_gemm.py --tiny     # CPU check of the script: tiny shapes, the reference path
+    python benchmark/bench_fp8_gemm.py --profile  # also: each FP8 path's kernels, by CUDA time (torch.profiler)
 
 Writes data/fp8_gemm{,_tiny}.{csv,md} (and .png with matplotlib).
 """
@@ -102,7 +103,25 @@ def quantize_weight(weight):
     quantize_columns(weight)
 
 
-def measure(name, out_features, in_features, groups, top_k, tokens, device, repeats):
+def kernel_table(function, name: str, steps: int = 5) -> str:
+    """The CUDA kernels of ``steps`` calls of ``function``, by total time per call (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
+
+    function()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            function()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    lines = [f"## {name}: kernels of one FP8 forward + backward"]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total):
+        lines.append(f"{e.self_device_time_total / steps / 1000:8.3f} ms  x{e.count // steps:<3} {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def measure(name, out_features, in_features, groups, top_k, tokens, device, repeats, profile_to=None):
     generator = torch.Generator(device=device).manual_seed(0)
     x, weight, grad, offs = inputs(out_features, in_features, groups, top_k, tokens, device, generator)
     if groups:  # the error over the first groups' rows: a float64 copy of every expert would not fit
@@ -125,6 +144,9 @@ def measure(name, out_features, in_features, groups, top_k, tokens, device, repe
             forward().backward(grad)
 
         ms = timed_ms(step, repeats)
+        if profile_to is not None and impl == "fp8" and device == "cuda":
+            profile_to.append(kernel_table(step, name))
+            print(profile_to[-1])
         with torch.no_grad():
             out = forward()[:kept_rows].double()
         error = float((out - reference).norm() / reference.norm())
@@ -176,15 +198,19 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(HERE, "data"))
+    parser.add_argument("--profile", action="store_true", help="each FP8 path's kernels (fp8_gemm_kernels.txt)")
     parser.add_argument("--budget-s", type=float, help="accepted for run_gpu.sh")
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     gemms, tokens = (TINY_GEMMS, 16) if args.tiny else (DEEPSEEK_V3_GEMMS, args.tokens)
-    rows = []
+    rows, tables = [], [] if args.profile else None
     for gemm in gemms:
-        rows += measure(*gemm, tokens, device, args.repeats)
+        rows += measure(*gemm, tokens, device, args.repeats, tables)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "fp8_gemm" + ("_tiny" if args.tiny else ""))
+    if tables:
+        with open(stem + "_kernels.txt", "w") as handle:
+            handle.write("\n\n".join(tables) + "\n")
     with open(stem + ".csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()

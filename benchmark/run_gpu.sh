@@ -212,7 +212,7 @@ for step in "$@"; do
     # drafter quality, native against Liger training, and spec_generate against target.generate (4-layer V3 target)
     bench-drafter-acceptance) BENCH_SCRIPT=benchmark/bench_drafter_acceptance.py run_bench ;;
     # the GEMMs of a DeepSeek-V3 layer, bf16 against the FP8 rowwise ops (forward + backward, quantisation included)
-    bench-fp8-gemm) BENCH_SCRIPT=benchmark/bench_fp8_gemm.py run_bench ;;
+    bench-fp8-gemm) BENCH_SCRIPT=benchmark/bench_fp8_gemm.py run_bench --profile ;;
     # the FP8 quantisers alone at the step's shapes: GB/s against a copy of the same bytes
     # where the FP8 step's time goes, beside the bf16 defaults' (8 layers, 4096 tokens): kernels by category
     profile-fp8-step)
