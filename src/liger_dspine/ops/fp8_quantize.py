@@ -3,10 +3,13 @@
 Every quantised vector v (a row, a column, or a column within one group of rows) gets one fp32 scale::
 
     scale = max(amax(|v|), eps) / 448          448: e4m3's largest finite value; eps = 1e-12
-    q     = e4m3(clamp(v / scale, -448, 448))   v / scale in fp32, rounded to nearest-even onto e4m3
+    q     = e4m3(clamp(v * inverse, -448, 448))  inverse = 448 / max(amax(|v|), eps), both quotients correctly
+                                                rounded fp32; v * inverse in fp32, rounded to nearest-even onto e4m3
 
-so that ``q * scale`` approximates v with a relative error of at most 2^-4 (3 mantissa bits), or an absolute error
-of at most 2^-10 * scale below e4m3's normal range (|v| < 2^-6 * scale).
+so that ``q * scale`` approximates v with a relative error of at most 2^-4 (3 mantissa bits; plus 3 fp32 roundings,
+as scale * inverse is 1 within 2^-23), or an absolute error of at most 2^-10 * scale below e4m3's normal range
+(|v| < 2^-6 * scale). A product with the inverse, not a division by the scale: the kernels read and write a few
+bytes an element, and a correctly rounded division costs about eight instructions an element on a GPU.
 
 Three layouts, each writing the fp8 values and the scales once:
 
@@ -87,8 +90,15 @@ def _scale_of(amax):
 
 
 @triton.jit
-def _quantized(x, scale):
-    return _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+def _inverse_of(amax):
+    return tl.math.div_rn(448.0, tl.maximum(amax, 1e-12))
+
+
+@triton.jit
+def _quantized(x, inverse):
+    """e4m3(clamp(x * inverse)): one product an element (a division would cost a reciprocal, its refinement and a
+    slow-path check, which made these kernels instruction-bound)."""
+    return _to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
 
 
 @triton.jit
@@ -104,19 +114,21 @@ def _quantize_rows_kernel(
     if ONE_PASS:
         mask = row_mask[:, None] & (offsets < cols)
         x = tl.load(x_rows + offsets, mask=mask, other=0.0).to(tl.float32)
-        scale = _scale_of(tl.max(tl.abs(x), axis=1))
-        tl.store(q_rows + offsets, _quantized(x, scale[:, None]), mask=mask)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = _scale_of(amax)
+        tl.store(q_rows + offsets, _quantized(x, _inverse_of(amax)[:, None]), mask=mask)
     else:
         amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for start in range(0, cols, BLOCK):
             mask = row_mask[:, None] & (start + offsets < cols)
             x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = _scale_of(tl.max(amax, axis=1))
+        row_amax = tl.max(amax, axis=1)
+        scale, inverse = _scale_of(row_amax), _inverse_of(row_amax)
         for start in range(0, cols, BLOCK):
             mask = row_mask[:, None] & (start + offsets < cols)
             x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + start + offsets, _quantized(x, scale[:, None]), mask=mask)
+            tl.store(q_rows + start + offsets, _quantized(x, inverse[:, None]), mask=mask)
     tl.store(scale_ptr + row, scale, mask=row_mask)
 
 
@@ -138,13 +150,14 @@ def _column_amax_kernel(
     x_base = x_ptr + batch * x_batch_stride
     first = tl.program_id(1).to(tl.int64) * ROWS_PER_PROGRAM
     m = tl.arange(0, BLOCK_M)
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)  # elementwise over the steps, reduced across rows once
     for step in range(0, ROWS_PER_PROGRAM, BLOCK_M):
         r = first + step + m
         mask = (r < rows)[:, None] & c_mask[None, :]
         x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    tl.atomic_max(amax_ptr + batch * cols + c, amax.to(tl.int32, bitcast=True), mask=c_mask)
+        amax = tl.maximum(amax, tl.abs(x))
+    column_amax = tl.max(amax, axis=0)
+    tl.atomic_max(amax_ptr + batch * cols + c, column_amax.to(tl.int32, bitcast=True), mask=c_mask)
 
 
 @triton.jit
@@ -166,7 +179,7 @@ def _quantize_columns_kernel(
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < cols
     amax = tl.load(amax_ptr + batch * cols + c, mask=c_mask, other=0).to(tl.float32, bitcast=True)
-    scale = _scale_of(amax)
+    scale, inverse = _scale_of(amax), _inverse_of(amax)
     if tl.program_id(1) == 0:
         tl.store(scale_ptr + batch * cols + c, scale, mask=c_mask)
     x_base = x_ptr + batch * x_batch_stride
@@ -178,7 +191,7 @@ def _quantize_columns_kernel(
         mask = (r < rows)[:, None] & c_mask[None, :]
         x = tl.load(x_base + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
         out_mask = (r < padded_rows)[:, None] & c_mask[None, :]
-        q = _quantized(x, scale[None, :])
+        q = _quantized(x, inverse[None, :])
         tl.store(q_base + c[None, :].to(tl.int64) * padded_rows + r[:, None], q, mask=out_mask)
 
 
@@ -207,13 +220,14 @@ def _quantize_group_columns_kernel(
     # the last group also zeroes the columns up to Sp (never read by a GEMM, but defined)
     written = tl.where(group == groups - 1, padded_rows - padded_start, padded_count)
     m = tl.arange(0, BLOCK_M)
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)  # elementwise over the steps, reduced across rows once
     for step in range(0, end - start, BLOCK_M):
         r = (start + step + m).to(tl.int64)
         mask = (r < end)[:, None] & c_mask[None, :]
         x = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    scale = _scale_of(amax)
+        amax = tl.maximum(amax, tl.abs(x))
+    column_amax = tl.max(amax, axis=0)
+    scale, inverse = _scale_of(column_amax), _inverse_of(column_amax)
     tl.store(scale_ptr + group.to(tl.int64) * cols + c, scale, mask=c_mask)
     for step in range(0, written, BLOCK_M):
         r = (start + step + m).to(tl.int64)
@@ -222,7 +236,7 @@ def _quantize_group_columns_kernel(
         out = (padded_start + step + m).to(tl.int64)
         out_mask = (step + m < written)[:, None] & c_mask[None, :]
         tl.store(
-            q_ptr + c[None, :].to(tl.int64) * padded_rows + out[:, None], _quantized(x, scale[None, :]), mask=out_mask
+            q_ptr + c[None, :].to(tl.int64) * padded_rows + out[:, None], _quantized(x, inverse[None, :]), mask=out_mask
         )
 
 
@@ -254,8 +268,10 @@ def quantize_rowwise_reference(x: torch.Tensor, eps: float = EPS) -> tuple[torch
     xf = x.float()
     amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
     # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal, which can round 1 ulp off
-    scale = amax.clamp(min=eps) / torch.full_like(amax, FP8_MAX)
-    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    amax = amax.clamp(min=eps)
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    inverse = torch.full_like(amax, FP8_MAX) / amax
+    q = (xf * inverse[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 

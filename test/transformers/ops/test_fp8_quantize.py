@@ -1,8 +1,10 @@
 """The FP8 quantisers (rows, transposed columns, transposed group columns) against an independent float64 rounding.
 
-The reference here does not use torch's float8 cast: it divides in float64 (the correctly rounded fp32 quotient, as
-float64 has more than 2 * 24 + 2 bits), clamps, and picks the nearest of e4m3's 127 finite non-negative values,
-decoded from their bit fields, ties to the even code. Scales and fp8 bit patterns must be equal, not close.
+The reference here does not use torch's float8 cast: it computes the scale amax / 448 and its inverse 448 / amax in
+float64 (rounded to fp32 they are the correctly rounded fp32 quotients, as float64 has more than 2 * 24 + 2 bits),
+multiplies by the inverse in float64 (exact, then rounded to fp32), clamps, and picks the nearest of e4m3's 127
+finite non-negative values, decoded from their bit fields, ties to the even code. Scales and fp8 bit patterns must be
+equal, not close.
 """
 
 import pytest
@@ -43,8 +45,10 @@ def expected_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [M, C] uint8, scale [M] fp32) of a rowwise quantisation, in float64."""
     x64 = x.double()
     amax = x64.abs().amax(dim=-1) if x.shape[-1] else x64.new_zeros(x.shape[:-1])
-    scale = (amax.clamp(min=torch.tensor(EPS, dtype=torch.float32).item()) / 448).float()
-    y = (x64 / scale.double()[..., None]).float().double().clamp(-448, 448)
+    amax = amax.clamp(min=torch.tensor(EPS, dtype=torch.float32).item())
+    scale, inverse = (amax / 448).float(), (448 / amax).float()  # correctly rounded fp32 quotients
+    # the fp64 product of two fp32 values is exact: rounded once to fp32, it is the fp32 product
+    y = (x64 * inverse.double()[..., None]).float().double().clamp(-448, 448)
     return e4m3_codes(y), scale
 
 
@@ -102,8 +106,9 @@ def test_rows_round_trip_error_is_within_e4m3():
     x = spread(4, 64, torch.float32, seed=7)
     q, scale = quantize_rowwise(x)
     back = q.double() * scale.double()[:, None]
-    # 3 mantissa bits: 2^-4 relative (normal range), 2^-10 * scale absolute (subnormal range), plus the fp32 quotient
-    bound = (2.0**-4 + 2.0**-23) * x.double().abs() + 2.0**-10 * scale.double()[:, None]
+    # 3 mantissa bits: 2^-4 relative (normal range), 2^-10 * scale absolute (subnormal range), plus three fp32
+    # roundings (the scale, its inverse and the product), each 2^-24 relative
+    bound = (2.0**-4 + 2.0**-21) * x.double().abs() + 2.0**-10 * scale.double()[:, None]
     assert ((back - x.double()).abs() <= bound).all()
 
 
