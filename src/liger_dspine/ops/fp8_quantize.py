@@ -67,7 +67,8 @@ if is_interpreted(_interpreter_probe):
 
     @triton.jit
     def _to_e4m3(y):
-        """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3's grid and cast (exactly) to e4m3."""
+        """fp32 y clamped to [-448, 448], rounded to nearest-even onto e4m3's grid and cast (exactly) to e4m3."""
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         a = tl.abs(y)
         bits = a.to(tl.int32, bitcast=True)
         # normal range: keep 3 of the 23 mantissa bits, ties to even (a carry moves into the exponent)
@@ -80,7 +81,8 @@ else:
 
     @triton.jit
     def _to_e4m3(y):
-        """fp32 y, |y| <= 448, rounded to nearest-even onto e4m3 by the hardware's conversion."""
+        """fp32 y rounded to nearest-even onto e4m3 by the hardware's conversion, which saturates to +-448
+        (cvt.rn.satfinite: what a clamp to [-448, 448] first gives, without its two instructions an element)."""
         return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
@@ -96,9 +98,9 @@ def _inverse_of(amax):
 
 @triton.jit
 def _quantized(x, inverse):
-    """e4m3(clamp(x * inverse)): one product an element (a division would cost a reciprocal, its refinement and a
-    slow-path check, which made these kernels instruction-bound)."""
-    return _to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
+    """e4m3(clamp(x * inverse, -448, 448)): one product an element (a division would cost a reciprocal, its
+    refinement and a slow-path check, which made these kernels instruction-bound)."""
+    return _to_e4m3(x * inverse)
 
 
 @triton.jit
