@@ -24,6 +24,7 @@ output, and writes masked_attention_sweep.csv / .md.
 
 import argparse
 import csv
+import inspect
 import itertools
 import os
 import sys
@@ -124,7 +125,10 @@ def measure(anchors: int, context: int, baseline: str | None = None) -> list[dic
     pairs["liger-dspine"] = visited_pairs(tiles)
     if baseline:
         previous = load_module(baseline, "baseline_masked_attention")
-        previous_tiles = previous.attention_tiles(mask, previous.tile_sizes(torch.bfloat16, HEAD_DIM))
+        # tile_sizes takes the device in versions whose tiles depend on the GPU's shared memory
+        takes_device = "device" in inspect.signature(previous.tile_sizes).parameters
+        device_args = (q.device,) if takes_device else ()
+        previous_tiles = previous.attention_tiles(mask, previous.tile_sizes(torch.bfloat16, HEAD_DIM, *device_args))
         runs["liger-dspine-baseline"] = lambda: previous.liger_masked_attention(
             q, k, v, mask, scale, tiles=previous_tiles
         )
