@@ -80,29 +80,37 @@ def _(a, scale_a, b, scale_b, out_dtype):
     return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
 
 
-def fp8_mm(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [T, K] @ weight [N, K].T -> [T, N] in ``dtype``: x per token, weight per out-feature, both over K."""
-    q_x, scale_x = quantize_rowwise(x)
-    q_w, scale_w = quantize_rowwise(weight)
-    return _scaled_mm(q_x, scale_x, q_w, scale_w, dtype)
+def fp8_mm(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, amax_x: bool = False, amax_w: bool = False):
+    """x [T, K] @ weight [N, K].T -> [T, N] in ``dtype``: x per token, weight per out-feature, both over K. With
+    ``amax_x`` / ``amax_w`` also the column amax of x / weight ([K] int32 fp32 bits, else None), found in the same
+    passes, for the backward's column quantisers: (out, amax of x, amax of weight)."""
+    q_x, scale_x, *column_amax_x = quantize_rowwise(x, with_column_amax=amax_x)
+    q_w, scale_w, *column_amax_w = quantize_rowwise(weight, with_column_amax=amax_w)
+    out = _scaled_mm(q_x, scale_x, q_w, scale_w, dtype)
+    return out, (column_amax_x or [None])[0], (column_amax_w or [None])[0]
 
 
-def fp8_mm_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad_out [T, N] @ weight [N, K] -> [T, K] in ``dtype``: grad_out per token, weight per in-feature, over N."""
-    q_g, scale_g = quantize_rowwise(grad_out)
-    q_wt, scale_wt = quantize_columns(weight)  # [K, N]
-    return _scaled_mm(q_g, scale_g, q_wt, scale_wt, dtype)
+def fp8_mm_grad_input(grad_out, weight, dtype, amax_w=None, amax_g: bool = False):
+    """grad_out [T, N] @ weight [N, K] -> [T, K] in ``dtype``: grad_out per token, weight per in-feature, over N.
+    ``amax_w``: the weight's column amax from the forward. With ``amax_g`` also grad_out's column amax (for
+    :func:`fp8_mm_grad_weight`): (grad_input, amax of grad_out or None)."""
+    q_g, scale_g, *column_amax_g = quantize_rowwise(grad_out, with_column_amax=amax_g)
+    q_wt, scale_wt = quantize_columns(weight, amax_w)  # [K, N]
+    return _scaled_mm(q_g, scale_g, q_wt, scale_wt, dtype), (column_amax_g or [None])[0]
 
 
-def fp8_mm_grad_weight(grad_out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad_out [T, N].T @ x [T, K] -> [N, K] in ``dtype``: both per feature, over the T tokens."""
-    q_gt, scale_gt = quantize_columns(grad_out)  # [N, Tp]
-    q_xt, scale_xt = quantize_columns(x)  # [K, Tp]
+def fp8_mm_grad_weight(grad_out, x, dtype, amax_g=None, amax_x=None):
+    """grad_out [T, N].T @ x [T, K] -> [N, K] in ``dtype``: both per feature, over the T tokens (their column
+    amaxes from the rows passes when given)."""
+    q_gt, scale_gt = quantize_columns(grad_out, amax_g)  # [N, Tp]
+    q_xt, scale_xt = quantize_columns(x, amax_x)  # [K, Tp]
     return _scaled_mm(q_gt, scale_gt, q_xt, scale_xt, dtype)
 
 
 class LigerFP8LinearFunction(torch.autograd.Function):
-    """(x [T, K], weight [N, K]) -> x @ weight.T [T, N] in the GEMM dtype, every GEMM on FP8 operands."""
+    """(x [T, K], weight [N, K]) -> x @ weight.T [T, N] in the GEMM dtype, every GEMM on FP8 operands. The forward's
+    rows passes over x and the weight also find their column amaxes, which the backward's column quantisers take
+    instead of a pass of their own."""
 
     kernel_ops = (
         "liger_dspine::fp8_quantize_rows",
@@ -113,20 +121,24 @@ class LigerFP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         dtype = gemm_dtype(x, weight, "FP8 linear")
-        ctx.save_for_backward(x, weight)
+        need_x, need_weight = ctx.needs_input_grad[:2]
+        # the weight's columns feed the input gradient, x's the weight gradient
+        out, amax_x, amax_w = fp8_mm(x, weight, dtype, amax_x=need_weight, amax_w=need_x)
+        ctx.save_for_backward(x, weight, amax_x, amax_w)
         ctx.gemm_dtype = dtype
-        return fp8_mm(x, weight, dtype)
+        return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight, amax_x, amax_w = ctx.saved_tensors
         need_x, need_weight = ctx.needs_input_grad[:2]
-        grad_x = grad_weight = None
+        grad_x = grad_weight = amax_g = None
         if need_x:
-            grad_x = fp8_mm_grad_input(grad_out, weight, ctx.gemm_dtype).to(x.dtype)
+            grad_x, amax_g = fp8_mm_grad_input(grad_out, weight, ctx.gemm_dtype, amax_w, amax_g=need_weight)
+            grad_x = grad_x.to(x.dtype)
         if need_weight:
-            grad_weight = fp8_mm_grad_weight(grad_out, x, ctx.gemm_dtype).to(weight.dtype)
+            grad_weight = fp8_mm_grad_weight(grad_out, x, ctx.gemm_dtype, amax_g, amax_x).to(weight.dtype)
         return grad_x, grad_weight
 
 

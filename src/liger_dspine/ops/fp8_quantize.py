@@ -53,6 +53,8 @@ ALIGN = 16  # rows per padded block: 16 bytes of fp8
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ROW_BLOCK = 8192  # one register-resident pass per row up to this width
 _ROW_PROGRAM_ELEMENTS = 8192  # rows kernel: narrower rows share a program, up to this many elements
+_FUSED_AMAX_PROGRAMS = 512  # rows kernel with the column amax: programs kept at least (about 4 per SM)
+_MAX_AMAX_STEPS = 32  # and at most this many row blocks a program
 _COLUMN_BLOCK = 64
 _ROW_STEP = 64
 _ROWS_PER_PROGRAM = 256  # column kernels: rows of one program (a [256, 64] block), in steps of _ROW_STEP
@@ -105,33 +107,42 @@ def _quantized(x, inverse):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, rows, cols, x_stride, q_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, column_amax_ptr, rows, cols, x_stride, q_stride, ROWS: tl.constexpr,
+    STEPS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, COLUMN_AMAX: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = row < rows
-    x_rows = x_ptr + row[:, None] * x_stride
-    q_rows = q_ptr + row[:, None] * q_stride
+    """STEPS blocks of ROWS rows a program. With COLUMN_AMAX (ONE_PASS only) the program also keeps the largest
+    |x| of each column over its rows and merges it into column_amax_ptr ([cols] int32, fp32 bits) atomically."""
     offsets = tl.arange(0, BLOCK)[None, :]
-    if ONE_PASS:
-        mask = row_mask[:, None] & (offsets < cols)
-        x = tl.load(x_rows + offsets, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = _scale_of(amax)
-        tl.store(q_rows + offsets, _quantized(x, _inverse_of(amax)[:, None]), mask=mask)
-    else:
-        amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for start in range(0, cols, BLOCK):
-            mask = row_mask[:, None] & (start + offsets < cols)
-            x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        row_amax = tl.max(amax, axis=1)
-        scale, inverse = _scale_of(row_amax), _inverse_of(row_amax)
-        for start in range(0, cols, BLOCK):
-            mask = row_mask[:, None] & (start + offsets < cols)
-            x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + start + offsets, _quantized(x, inverse[:, None]), mask=mask)
-    tl.store(scale_ptr + row, scale, mask=row_mask)
+    column_amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for step in range(STEPS):
+        row = (tl.program_id(0).to(tl.int64) * STEPS + step) * ROWS + tl.arange(0, ROWS)
+        row_mask = row < rows
+        x_rows = x_ptr + row[:, None] * x_stride
+        q_rows = q_ptr + row[:, None] * q_stride
+        if ONE_PASS:
+            mask = row_mask[:, None] & (offsets < cols)
+            x = tl.load(x_rows + offsets, mask=mask, other=0.0).to(tl.float32)
+            if COLUMN_AMAX:
+                column_amax = tl.maximum(column_amax, tl.abs(x))
+            amax = tl.max(tl.abs(x), axis=1)
+            scale = _scale_of(amax)
+            tl.store(q_rows + offsets, _quantized(x, _inverse_of(amax)[:, None]), mask=mask)
+        else:
+            amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+            for start in range(0, cols, BLOCK):
+                mask = row_mask[:, None] & (start + offsets < cols)
+                x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            row_amax = tl.max(amax, axis=1)
+            scale, inverse = _scale_of(row_amax), _inverse_of(row_amax)
+            for start in range(0, cols, BLOCK):
+                mask = row_mask[:, None] & (start + offsets < cols)
+                x = tl.load(x_rows + start + offsets, mask=mask, other=0.0).to(tl.float32)
+                tl.store(q_rows + start + offsets, _quantized(x, inverse[:, None]), mask=mask)
+        tl.store(scale_ptr + row, scale, mask=row_mask)
+    if COLUMN_AMAX:
+        merged = tl.max(column_amax, axis=0).to(tl.int32, bitcast=True)
+        tl.atomic_max(column_amax_ptr + tl.arange(0, BLOCK), merged, mask=tl.arange(0, BLOCK) < cols, sem="relaxed")
 
 
 @triton.jit
@@ -265,10 +276,14 @@ def _padded(rows: int) -> int:
 # ---- torch references (bit-identical to the kernels) ----
 
 
-def quantize_rowwise_reference(x: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., C] -> (q [..., C] float8_e4m3fn, scale [...] fp32), each row scaled by its amax / 448."""
+def quantize_rowwise_reference(
+    x: torch.Tensor, eps: float = EPS, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (q [..., C] float8_e4m3fn, scale [...] fp32), each row scaled by its amax / 448 (``amax`` [...]
+    fp32 when given, else each row's largest |x|)."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
+    if amax is None:
+        amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
     # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal, which can round 1 ulp off
     amax = amax.clamp(min=eps)
     scale = amax / torch.full_like(amax, FP8_MAX)
@@ -277,9 +292,12 @@ def quantize_rowwise_reference(x: torch.Tensor, eps: float = EPS) -> tuple[torch
     return q, scale
 
 
-def quantize_columns_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_columns_reference(
+    x: torch.Tensor, column_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., M, C] -> (q [..., C, Mp] float8_e4m3fn, scale [..., C] fp32), as :func:`quantize_columns`."""
-    q, scale = quantize_rowwise_reference(x.transpose(-2, -1))
+    amax = None if column_amax is None else column_amax.view(torch.float32).reshape(*x.shape[:-2], x.shape[-1])
+    q, scale = quantize_rowwise_reference(x.transpose(-2, -1), amax=amax)
     rows = x.shape[-2]
     out = torch.zeros(*q.shape[:-1], _padded(rows), dtype=FP8_DTYPE, device=x.device)
     out[..., :rows] = q
@@ -319,50 +337,90 @@ def quantize_group_columns_reference(
 
 
 @liger_custom_op("liger_dspine::fp8_quantize_rows", mutates_args=())
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _use_kernel(x):
-        return quantize_rowwise_reference(x)
+def _quantize_rows(x: torch.Tensor, with_column_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, column amax): the last [C] int32 (fp32 bits of each column's largest |x|) with_column_amax, else
+    empty."""
     rows, cols = x.shape
+    if not _use_kernel(x):
+        q, scale = quantize_rowwise_reference(x)
+        return q, scale, _column_amax_reference(x) if with_column_amax else _no_amax(x)
     q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    column_amax = torch.zeros(cols, dtype=torch.int32, device=x.device) if with_column_amax else _no_amax(x)
+    block = min(triton.next_power_of_2(max(cols, 1)), _MAX_ROW_BLOCK)
+    one_pass = cols <= block
     if rows:
-        block = min(triton.next_power_of_2(max(cols, 1)), _MAX_ROW_BLOCK)
-        rows_per_program = max(1, _ROW_PROGRAM_ELEMENTS // block)
-        _quantize_rows_kernel[(triton.cdiv(rows, rows_per_program),)](
-            x, q, scale, rows, cols, x.stride(0), q.stride(0), ROWS=rows_per_program, BLOCK=block,
-            ONE_PASS=cols <= block, num_warps=8 if rows_per_program * block >= 2048 else 4,
+        rows_per_block = max(1, _ROW_PROGRAM_ELEMENTS // block)
+        blocks = triton.cdiv(rows, rows_per_block)
+        # with the column amax, a program takes several blocks: fewer atomic merges, yet enough programs to fill
+        # the GPU (at least _FUSED_AMAX_PROGRAMS)
+        steps = max(1, min(_MAX_AMAX_STEPS, blocks // _FUSED_AMAX_PROGRAMS)) if with_column_amax and one_pass else 1
+        _quantize_rows_kernel[(triton.cdiv(blocks, steps),)](
+            x, q, scale, column_amax, rows, cols, x.stride(0), q.stride(0), ROWS=rows_per_block, STEPS=steps,
+            BLOCK=block, ONE_PASS=one_pass, COLUMN_AMAX=with_column_amax and one_pass,
+            num_warps=8 if rows_per_block * block >= 2048 else 4,
         )  # fmt: skip
-    return q, scale
+    if with_column_amax and not one_pass:  # rows wider than one block: the column kernel's amax pass
+        _launch_column_amax(x.unsqueeze(0), column_amax.unsqueeze(0))
+    return q, scale, column_amax
 
 
 @_quantize_rows.register_fake
-def _(x):
-    return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), x.new_empty(x.shape[0], dtype=torch.float32)
+def _(x, with_column_amax=False):
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    amax = x.new_empty(x.shape[1] if with_column_amax else 0, dtype=torch.int32)
+    return q, x.new_empty(x.shape[0], dtype=torch.float32), amax
+
+
+def _no_amax(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int32, device=x.device)
+
+
+def _column_amax_reference(x: torch.Tensor) -> torch.Tensor:
+    """[..., M, C] -> [..., C] int32: the fp32 bits of each column's largest |x| (0 for no rows)."""
+    if x.shape[-2] == 0:
+        return torch.zeros(*x.shape[:-2], x.shape[-1], dtype=torch.int32, device=x.device)
+    return x.float().abs().amax(dim=-2).view(torch.int32)
+
+
+def _launch_column_amax(x3: torch.Tensor, amax: torch.Tensor) -> None:
+    """amax [B, C] int32 (zeros in) <- the fp32 bits of each column's largest |x3[b]| ([B, M, C])."""
+    batches, rows, cols = x3.shape
+    blocks = (triton.cdiv(cols, _COLUMN_BLOCK), triton.cdiv(max(_padded(rows), 1), _ROWS_PER_PROGRAM), batches)
+    if batches and cols:
+        _column_amax_kernel[blocks](
+            x3, amax, rows, cols, x3.stride(0), x3.stride(1), ROWS_PER_PROGRAM=_ROWS_PER_PROGRAM, BLOCK_M=_ROW_STEP,
+            BLOCK_C=_COLUMN_BLOCK, num_warps=8,
+        )  # fmt: skip
 
 
 @liger_custom_op("liger_dspine::fp8_quantize_columns", mutates_args=())
-def _quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_columns(x: torch.Tensor, column_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``column_amax`` ([..., C] int32 fp32 bits, from the rows op's pass over the same x) skips the amax pass."""
     if not _use_kernel(x):
-        return quantize_columns_reference(x)
+        return quantize_columns_reference(x, column_amax)
     batch_shape, (rows, cols) = x.shape[:-2], x.shape[-2:]
     batches = math.prod(batch_shape)
     x3 = x.reshape(batches, rows, cols)
     padded_rows = _padded(rows)
     q = torch.empty(batches, cols, padded_rows, dtype=FP8_DTYPE, device=x.device)
-    # zeros: the amax of no rows is 0 (scale eps / 448)
-    amax = torch.zeros(batches, cols, dtype=torch.int32, device=x.device)
     scale = torch.empty(batches, cols, dtype=torch.float32, device=x.device)
+    if column_amax is None:  # zeros: the amax of no rows is 0 (scale eps / 448)
+        amax = torch.zeros(batches, cols, dtype=torch.int32, device=x.device)
+        _launch_column_amax(x3, amax)
+    else:
+        amax = column_amax.reshape(batches, cols)
     if batches and cols:
         blocks = (triton.cdiv(cols, _COLUMN_BLOCK), triton.cdiv(max(padded_rows, 1), _ROWS_PER_PROGRAM), batches)
-        options = dict(ROWS_PER_PROGRAM=_ROWS_PER_PROGRAM, BLOCK_M=_ROW_STEP, BLOCK_C=_COLUMN_BLOCK, num_warps=8)
-        strides = (x3.stride(0), x3.stride(1))
-        _column_amax_kernel[blocks](x3, amax, rows, cols, *strides, **options)
-        _quantize_columns_kernel[blocks](x3, amax, q, scale, rows, padded_rows, cols, *strides, **options)
+        _quantize_columns_kernel[blocks](
+            x3, amax, q, scale, rows, padded_rows, cols, x3.stride(0), x3.stride(1),
+            ROWS_PER_PROGRAM=_ROWS_PER_PROGRAM, BLOCK_M=_ROW_STEP, BLOCK_C=_COLUMN_BLOCK, num_warps=8,
+        )  # fmt: skip
     return q.view(*batch_shape, cols, q.shape[-1]), scale.view(*batch_shape, cols)
 
 
 @_quantize_columns.register_fake
-def _(x):
+def _(x, column_amax=None):
     *batch, rows, cols = x.shape
     q = torch.empty(*batch, cols, _padded(rows), dtype=FP8_DTYPE, device=x.device)
     return q, x.new_empty(*batch, cols, dtype=torch.float32)
@@ -397,17 +455,28 @@ def _(x, offs):
 # ---- checked entry points ----
 
 
-def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, C] fp16/bf16/fp32 -> (q [M, C] float8_e4m3fn, scale [M] fp32), scaled along the last dim."""
+def quantize_rowwise(x: torch.Tensor, with_column_amax: bool = False):
+    """x [M, C] fp16/bf16/fp32 -> (q [M, C] float8_e4m3fn, scale [M] fp32), scaled along the last dim; with
+    ``with_column_amax`` also each column's largest |x| ([C] int32, its fp32 bits) for :func:`quantize_columns`
+    of the same x, found in the same pass."""
     _check(x, (2,), "FP8 rowwise quantisation")
-    return _quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
+    q, scale, column_amax = _quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), with_column_amax)
+    return (q, scale, column_amax) if with_column_amax else (q, scale)
 
 
-def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_columns(x: torch.Tensor, column_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, C] or [B, M, C] -> (q [(B,) C, Mp] float8_e4m3fn, scale [(B,) C] fp32): scaled along M, written
-    transposed (row c of q holds column c of x), zero from M to Mp = M rounded up to 16."""
+    transposed (row c of q holds column c of x), zero from M to Mp = M rounded up to 16. ``column_amax``: what
+    :func:`quantize_rowwise` found for this x (the same values), which saves a pass over x."""
     _check(x, (2, 3), "FP8 column quantisation")
-    return _quantize_columns(x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous())
+    columns = x.shape[-1] * (x.shape[0] if x.dim() == 3 else 1)
+    if column_amax is not None and (column_amax.dtype != torch.int32 or column_amax.numel() != columns):
+        raise ValueError(
+            f"liger-dspine: a column amax for x {tuple(x.shape)} is int32 with one value per column, got "
+            f"{column_amax.dtype} {tuple(column_amax.shape)}"
+        )
+    contiguous = x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+    return _quantize_columns(contiguous, column_amax)
 
 
 def quantize_group_columns(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

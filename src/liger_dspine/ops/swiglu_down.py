@@ -91,8 +91,13 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         gate_saved, up_saved = gate.contiguous(), up.contiguous()
         with torch.autocast(device_type, enabled=False):
             product = silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
-            if fp8:
-                out = fp8_mm(product, down_weight, dtype).view(*gate.shape[:-1], down_weight.shape[0])
+            amax_product = amax_weight = None
+            if fp8:  # the column amaxes for the backward's column quantisers (product: recomputed bit for bit there)
+                needs_input_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+                out, amax_product, amax_weight = fp8_mm(
+                    product, down_weight, dtype, amax_x=ctx.needs_input_grad[2], amax_w=needs_input_grad
+                )
+                out = out.view(*gate.shape[:-1], down_weight.shape[0])
             else:
                 # [..., I] in, so the output is a tensor of its own and not a view of an intermediate
                 out = F.linear(product.view(gate.shape).to(dtype), down_weight.to(dtype))
@@ -106,14 +111,14 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
             ctx.overwrite_up = in_place and (up_saved is not up or _overwritable(up)) and not shares_storage
         ctx.second_pass = RunsOnce(_RUNS_ONCE)  # spent once the backward overwrote gate and up
         ctx.compute_dtype, ctx.fp8 = dtype, fp8
-        ctx.save_for_backward(gate_saved, up_saved, down_weight)
+        ctx.save_for_backward(gate_saved, up_saved, down_weight, amax_product, amax_weight)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_out):
         ctx.second_pass.refuse()
-        gate, up, down_weight = ctx.saved_tensors
+        gate, up, down_weight, amax_product, amax_weight = ctx.saved_tensors
         gate_needs_grad, up_needs_grad, weight_needs_grad = ctx.needs_input_grad[:3]
         width, hidden = gate.shape[-1], down_weight.shape[0]
         gate_rows, up_rows = gate.view(-1, width), up.view(-1, width)
@@ -126,13 +131,14 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
                 # before the SiLU-mul backward, which may overwrite gate and up
                 if ctx.fp8:
                     product = silu_mul(gate_rows, up_rows).to(dtype)
-                    grad_weight = fp8_mm_grad_weight(grad_rows, product, dtype).to(down_weight.dtype)
+                    grad_weight = fp8_mm_grad_weight(grad_rows, product, dtype, None, amax_product)
+                    grad_weight = grad_weight.to(down_weight.dtype)
                     del product
                 else:
                     grad_weight = _down_weight_grad(grad_rows, gate_rows, up_rows).to(down_weight.dtype)
             if gate_needs_grad or up_needs_grad:
                 if ctx.fp8:
-                    grad_product = fp8_mm_grad_input(grad_rows, down_weight, dtype).to(gate.dtype)
+                    grad_product = fp8_mm_grad_input(grad_rows, down_weight, dtype, amax_weight)[0].to(gate.dtype)
                 else:
                     grad_product = (grad_rows @ down_weight.to(dtype)).to(gate.dtype).contiguous()
                 grad_gate_rows = gate_rows if ctx.overwrite_gate else gate_rows.clone()

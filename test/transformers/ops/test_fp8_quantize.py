@@ -183,3 +183,32 @@ def test_kernels_match_reference_on_cuda_bf16():
     q, scale, ends = quantize_group_columns(x, offs)
     ref_q, ref_scale, ref_ends = quantize_group_columns_reference(x, offs)
     assert torch.equal(ends, ref_ends) and torch.equal(scale, ref_scale) and torch.equal(codes(q), codes(ref_q))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, cols, programs", [(37, 20, 512), (300, 70, 1), (700, 24, 1), (3, 8200, 512)])
+def test_rows_pass_finds_the_column_amax_the_column_quantiser_needs(dtype, rows, cols, programs, monkeypatch):
+    """The rows op's column amax (one row block a program, several blocks a program merged atomically, or the
+    separate amax pass for rows wider than one block) is each column's largest |x|, and given to the column
+    quantiser it gives what that quantiser finds by itself."""
+    from liger_dspine.ops import fp8_quantize
+
+    monkeypatch.setattr(fp8_quantize, "_FUSED_AMAX_PROGRAMS", programs)  # 1: every row block in one program
+    x = spread(rows, cols, dtype, seed=rows + cols)
+    q, scale, column_amax = quantize_rowwise(x, with_column_amax=True)
+    assert_same_quantisation(q, scale, *quantize_rowwise(x))
+    assert column_amax.dtype == torch.int32 and column_amax.shape == (cols,)
+    assert torch.equal(column_amax.view(torch.float32), x.float().abs().amax(dim=0))
+    assert_same_quantisation(*quantize_columns(x, column_amax), *quantize_columns(x))
+
+
+def test_batched_columns_take_a_column_amax_per_batch():
+    x = spread(2 * 40, 24, torch.float32, seed=11).view(2, 40, 24)
+    amax = torch.stack([quantize_rowwise(x[b], with_column_amax=True)[2] for b in range(2)])
+    assert_same_quantisation(*quantize_columns(x, amax), *quantize_columns(x))
+    assert_same_quantisation(*quantize_columns(x, amax), *quantize_columns_reference(x))
+
+
+def test_a_column_amax_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="one value per column"):
+        quantize_columns(torch.zeros(4, 8), torch.zeros(7, dtype=torch.int32))
