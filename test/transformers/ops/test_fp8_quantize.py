@@ -176,6 +176,10 @@ def test_kernels_match_reference_on_cuda_bf16():
     x = torch.randn(4096, 7168, device="cuda", generator=generator).mul_(3).bfloat16()
     assert_same_quantisation(*quantize_rowwise(x), *quantize_rowwise_reference(x))
     assert_same_quantisation(*quantize_columns(x), *quantize_columns_reference(x))
+    q, scale, column_amax = quantize_rowwise(x, with_column_amax=True)  # several row blocks a program, atomics
+    assert_same_quantisation(q, scale, *quantize_rowwise_reference(x))
+    assert torch.equal(column_amax.view(torch.float32), x.float().abs().amax(dim=0))
+    assert_same_quantisation(*quantize_columns(x, column_amax), *quantize_columns_reference(x))
     w = torch.randn(8, 2048, 7168, device="cuda", generator=generator).bfloat16()
     assert_same_quantisation(*quantize_columns(w), *quantize_columns_reference(w))
     counts = torch.tensor([700, 0, 1, 1500, 16, 900, 0, 979])
