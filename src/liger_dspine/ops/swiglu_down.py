@@ -92,10 +92,13 @@ class LigerSwiGLUDownFunction(torch.autograd.Function):
         with torch.autocast(device_type, enabled=False):
             product = silu_mul(gate_saved.view(-1, width), up_saved.view(-1, width))
             amax_product = amax_weight = None
-            if fp8:  # the column amaxes for the backward's column quantisers (product: recomputed bit for bit there)
+            if fp8:
+                # the column amaxes for the backward's column quantisers; the backward recomputes the product bit for
+                # bit but casts it to the GEMM dtype, so its amax from here holds only in that dtype
                 needs_input_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+                amax_x = ctx.needs_input_grad[2] and product.dtype == dtype
                 out, amax_product, amax_weight = fp8_mm(
-                    product, down_weight, dtype, amax_x=ctx.needs_input_grad[2], amax_w=needs_input_grad
+                    product, down_weight, dtype, amax_x=amax_x, amax_w=needs_input_grad
                 )
                 out = out.view(*gate.shape[:-1], down_weight.shape[0])
             else:
