@@ -80,23 +80,28 @@ def _(a, scale_a, b, scale_b, out_dtype):
     return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
 
 
+def _rows(x: torch.Tensor, with_column_amax: bool):
+    """(q, scale, column amax or None) of :func:`quantize_rowwise`."""
+    q, scale, *column_amax = quantize_rowwise(x, with_column_amax=with_column_amax)
+    return q, scale, column_amax[0] if column_amax else None
+
+
 def fp8_mm(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, amax_x: bool = False, amax_w: bool = False):
     """x [T, K] @ weight [N, K].T -> [T, N] in ``dtype``: x per token, weight per out-feature, both over K. With
     ``amax_x`` / ``amax_w`` also the column amax of x / weight ([K] int32 fp32 bits, else None), found in the same
     passes, for the backward's column quantisers: (out, amax of x, amax of weight)."""
-    q_x, scale_x, *column_amax_x = quantize_rowwise(x, with_column_amax=amax_x)
-    q_w, scale_w, *column_amax_w = quantize_rowwise(weight, with_column_amax=amax_w)
-    out = _scaled_mm(q_x, scale_x, q_w, scale_w, dtype)
-    return out, (column_amax_x or [None])[0], (column_amax_w or [None])[0]
+    q_x, scale_x, column_amax_x = _rows(x, amax_x)
+    q_w, scale_w, column_amax_w = _rows(weight, amax_w)
+    return _scaled_mm(q_x, scale_x, q_w, scale_w, dtype), column_amax_x, column_amax_w
 
 
 def fp8_mm_grad_input(grad_out, weight, dtype, amax_w=None, amax_g: bool = False):
     """grad_out [T, N] @ weight [N, K] -> [T, K] in ``dtype``: grad_out per token, weight per in-feature, over N.
     ``amax_w``: the weight's column amax from the forward. With ``amax_g`` also grad_out's column amax (for
     :func:`fp8_mm_grad_weight`): (grad_input, amax of grad_out or None)."""
-    q_g, scale_g, *column_amax_g = quantize_rowwise(grad_out, with_column_amax=amax_g)
+    q_g, scale_g, column_amax_g = _rows(grad_out, amax_g)
     q_wt, scale_wt = quantize_columns(weight, amax_w)  # [K, N]
-    return _scaled_mm(q_g, scale_g, q_wt, scale_wt, dtype), (column_amax_g or [None])[0]
+    return _scaled_mm(q_g, scale_g, q_wt, scale_wt, dtype), column_amax_g
 
 
 def fp8_mm_grad_weight(grad_out, x, dtype, amax_g=None, amax_x=None):
