@@ -17,7 +17,6 @@ Writes data/fp8_gemm{,_tiny}.{csv,md} (and .png with matplotlib).
 """
 
 import argparse
-import csv
 import os
 import statistics
 
@@ -31,6 +30,7 @@ from liger_dspine.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: E402
 from liger_dspine.ops.fp8_linear import fp8_linear  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_columns  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_rowwise  # noqa: E402
+from report import write_csv_and_markdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIELDS = ["gemm", "tokens", "out", "in", "groups", "impl", "fwd_bwd_ms", "tflops", "rel_error"]
@@ -211,10 +211,6 @@ def main(argv=None) -> int:
     if tables:
         with open(stem + "_kernels.txt", "w") as handle:
             handle.write("\n\n".join(tables) + "\n")
-    with open(stem + ".csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
     bf16 = {r["gemm"]: r for r in rows if r["impl"] == "bf16"}
     fp8 = {r["gemm"]: r for r in rows if r["impl"] == "fp8"}
     quant = {r["gemm"]: r for r in rows if r["impl"] == "weight quant"}
@@ -240,9 +236,7 @@ def main(argv=None) -> int:
             lines.append(f"| {layer}, its GEMMs | {ratios(total_b, total_f, total_q)} | | | |")
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines += ["", f"device: {device_name}, {tokens} tokens, torch {torch.__version__}"]
-    with open(stem + ".md", "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_csv_and_markdown(stem, FIELDS, rows, lines)
     plotted = plot(rows, stem + ".png") if device == "cuda" else None
     print(f"wrote {stem}.csv, {stem}.md" + (f", {plotted}" if plotted else ""))
     return 0

@@ -21,7 +21,6 @@ Writes data/fp8_quantize{,_tiny}.{csv,md} and .png (with matplotlib).
 """
 
 import argparse
-import csv
 import os
 import statistics
 
@@ -36,6 +35,7 @@ from liger_dspine.ops.fp8_quantize import quantize_group_columns  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_group_columns_reference  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_rowwise  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_rowwise_reference  # noqa: E402
+from report import write_csv_and_markdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the baseline file's functions by layout (its torch references: the same names with "_reference")
@@ -170,10 +170,6 @@ def main(argv=None) -> int:
         rows += measure(*operand, device, args.repeats, baseline)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "fp8_quantize" + ("_tiny" if args.tiny else ""))
-    with open(stem + ".csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
     impls = ["triton", "torch", "copy"] + (["baseline"] if args.baseline else [])
     by_case = {}
     for r in rows:
@@ -192,9 +188,7 @@ def main(argv=None) -> int:
                      + " | ".join(f"{case[i]['of_copy']:.0%}" for i in impls if i != "copy") + " |")  # fmt: skip
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines += ["", f"device: {device_name}, torch {torch.__version__}; GB/s on one bf16 read and one fp8 write"]
-    with open(stem + ".md", "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_csv_and_markdown(stem, FIELDS, rows, lines)
     plotted = plot(rows, stem + ".png") if device == "cuda" else None
     print(f"wrote {stem}.csv, {stem}.md" + (f", {plotted}" if plotted else ""))
     return 0

@@ -50,6 +50,18 @@ def write_rows(path: str, rows: list[dict]) -> None:
             writer.writerow({key: _cell(row.get(key)) for key in FIELDS})
 
 
+def write_csv_and_markdown(stem: str, fields: list[str], rows: list[dict], lines: list[str]) -> None:
+    """``stem``.csv (``rows`` under ``fields``) and ``stem``.md (``lines``, a markdown table), which is also printed:
+    the files of a benchmark whose rows are not the training step's."""
+    with open(stem + ".csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(stem + ".md", "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def read_rows(paths: list[str]) -> list[dict]:
     rows = []
     for path in paths:
