@@ -3,7 +3,8 @@ has a patch for the model) and liger-dspine, at 2 layers of real widths (family_
 GLM-4.7-Flash-like and MiniCPM5-MoE-like (transformers 5.25) at 4096 and 16384 tokens, DeepSeek-V3.2-like at 4096 and
 8192; DeepSeek-V4-Flash-like at 3 layers (sliding window, CSA, HCA; hash and learned routers), 4096, 7168 (the longest
 that native and liger-kernel run) and 8192, liger-dspine with its defaults (the attention kernel and hyper-connections
-included).
+included). ``--variant LABEL=JSON`` adds liger-dspine rows with other options (e.g. FP8), reported against the
+defaults' rows.
 
 The engine is bench_deepseek_v3.py's: one process per configuration, two warm-ups (the first timed from the built
 model: first_step_s), the mean of three timed steps, peak memory over them, the loss of the last step (same model
@@ -17,9 +18,11 @@ already in family.csv, so they can be run in separate commands.
     python benchmark/bench_family.py --models deepseek_v32             # one model (needs transformers 5.24)
     python benchmark/bench_family.py --models deepseek_v4 --sweep-only # the longest sequences
     python benchmark/bench_family.py --tiny --models deepseek_v2 --lengths 4096   # CPU plumbing check
+    python benchmark/bench_family.py --models deepseek_v2 --impls liger-dspine --variant 'fp8={"fp8": true}'
 """
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -69,10 +72,10 @@ def run(args) -> int:
         if model in LAYER_PLANS:
             logger.info("%s layer plan: %s", model, LAYER_PLANS[model])
         for seq in [] if args.sweep_only else _lengths(model, args):
-            for impl in impls:
-                options = LIGER_DSPINE_OPTIONS.get(model, {}) if impl == "liger-dspine" else {}
+            for impl, label, extra in _impl_variants(impls, args.variant):
+                options = {**LIGER_DSPINE_OPTIONS.get(model, {}), **extra} if impl == "liger-dspine" else {}
                 seq_len = TINY_SEQ[seq] if args.tiny else seq
-                job = Job("throughput", impl, impl, family_layers(model, LAYERS), seq_len, options, model)
+                job = Job("throughput", impl, label, family_layers(model, LAYERS), seq_len, options, model)
                 remaining = args.budget_s - (time.monotonic() - started)
                 if impl == "liger" and not liger_kernel_serves(model):
                     rows.append(_job_row(job, status="unsupported: liger-kernel has no patch for this model"))
@@ -121,6 +124,24 @@ def _sweeps(model: str, impls: list[str], started: float, args, csv_path: str, r
     return new
 
 
+def _impl_variants(impls: list[str], variants: list[str]) -> list[tuple[str, str, dict]]:
+    """(impl, label, extra liger-dspine options) per step row: each implementation, then each ``LABEL=JSON``
+    variant, liger-dspine with the model's options updated by the JSON object."""
+    rows = [(impl, impl, {}) for impl in impls]
+    for variant in variants:
+        label, _, text = variant.partition("=")
+        if not label or label in IMPLS:
+            raise SystemExit(f"liger-dspine: --variant {variant!r} needs a new label, as in fp8='{{\"fp8\": true}}'")
+        try:
+            extra = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"liger-dspine: --variant {label}: its options are not JSON ({error})") from None
+        if not isinstance(extra, dict):
+            raise SystemExit(f"liger-dspine: --variant {label}: its options must be a JSON object, got {text!r}")
+        rows.append(("liger-dspine", label, extra))
+    return rows
+
+
 def _lengths(model: str, args) -> list[int]:
     chosen = [int(v) for v in _split(args.lengths)]
     return [seq for seq in FAMILY[model][3] if not chosen or seq in chosen]
@@ -164,6 +185,10 @@ def parse_args(argv=None):
     parser.add_argument("--name", default="family", help="file name stem (--tiny prefixes tiny_)")
     parser.add_argument("--fresh", action="store_true", help="do not keep other models' rows of an existing CSV")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="LABEL=JSON",
+        help="also liger-dspine with these options over the model's (repeatable), e.g. fp8='{\"fp8\": true}'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.sweep_start = 0  # what run_child passes on; _sweeps sets it per model
     if args.tiny:

@@ -20,6 +20,8 @@ SPEED_GOAL, PEAK_GOAL, FIRST_STEP_GOAL_S = 1.15, 0.9, 15.0
 MODEL_GOALS = {"deepseek_v4": (1.5, 0.7)}
 # ... and a longest sequence (batch 1) at least this many times liger-kernel's
 LONGEST_GOALS = {"deepseek_v4": 2.0}
+# --variant rows (liger-dspine with other options): tokens/s at least this many times the defaults' (FP8: >= 1.25x)
+VARIANT_GOALS = {"fp8": 1.25}
 
 
 def family_markdown(rows: list[dict]) -> str:
@@ -51,8 +53,32 @@ def family_markdown(rows: list[dict]) -> str:
     failed = [r for r in steps if r.get("impl") != "-" and r.get("status") not in ("ok", None)]
     notes += [f"{r['model']} {r['impl']} {r['seq']}: {r['status']}" for r in failed]
     table = "\n".join(lines) if len(lines) > 2 else ""
-    parts = (table, "\n".join(f"- {n}" for n in notes), sweep_markdown(rows))
+    parts = (table, "\n".join(f"- {n}" for n in notes), variant_markdown(steps), sweep_markdown(rows))
     return "\n\n".join(part for part in parts if part) + "\n"
+
+
+def variant_markdown(steps: list[dict]) -> str:
+    """The --variant rows (liger-dspine with other options) beside the liger-dspine defaults' row of the same model
+    and length: tokens/s, peak memory and loss, their ratios, and the variant's goal where it has one."""
+    variants = [r for r in steps if r.get("impl") not in (*IMPLS, "-")]
+    header = ["model", "seq", "variant", "tok/s", "defaults tok/s", "speed vs defaults", "peak GiB", "defaults peak GiB"]
+    header += ["peak vs defaults", "loss - defaults", "goal"]
+    lines = _header_lines(header)
+    for row in sorted(variants, key=lambda r: (list(FAMILY).index(r["model"]), r["seq"], r["impl"])):
+        base = next((r for r in steps if r.get("impl") == "liger-dspine" and r.get("model") == row["model"]
+                     and r["seq"] == row["seq"] and r.get("status") == "ok"), None)  # fmt: skip
+        ok = row.get("status") == "ok"
+        cells = [f"{row['model']} ({FAMILY[row['model']][0]})", str(row["seq"]), row["impl"]]
+        cells += [_value(row, "tokens_per_s", thousands=True), _value(base, "tokens_per_s", thousands=True)]
+        cells.append(_ratio(ok and row["tokens_per_s"], base and base["tokens_per_s"]))
+        cells += [_value(row, "peak_gib"), _value(base, "peak_gib")]
+        cells.append(_ratio(ok and row["peak_gib"], base and base["peak_gib"]))
+        cells.append(f"{row['loss'] - base['loss']:+.2e}" if ok and base and _has(row, base) else "-")
+        goal = VARIANT_GOALS.get(row["impl"])
+        met = ok and base and row["tokens_per_s"] >= goal * base["tokens_per_s"] if goal else None
+        cells.append(f">= {goal}x: {_yes(bool(met))}" if goal else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if variants else ""
 
 
 def sweep_markdown(rows: list[dict]) -> str:

@@ -6,6 +6,7 @@
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
 #         | profile-dspine | profile-dspine-objective | bench-masked-attention | bench-masked-attention-sweep | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
 #         | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-quantize | profile-fp8-step | bench-fp8-step | bench-fp8-convergence
+#         | bench-family-fp8
 #
 # The liger-kernel wheel is installed from .whl/ into /tmp/site (carry .whl). With NEW_TRANSFORMERS=1 the transformers
 # and huggingface-hub wheels there are installed too (otherwise they are left out): models that only transformers 5.24
@@ -227,6 +228,9 @@ for step in "$@"; do
       --variant 'liger-dspine-fp8={"fp8": true}' ;;
     # the 2-layer DeepSeek-V3 trained 300 AdamW steps with the bf16 defaults, then fp8=True: end losses within 0.5%?
     bench-fp8-convergence) BENCH_SCRIPT=benchmark/bench_fp8_convergence.py run_bench ;;
+    # the DeepSeek-V2-Lite-like and GLM-4.7-Flash-like steps with fp8=True beside liger-dspine's defaults
+    bench-family-fp8) BENCH_SCRIPT=benchmark/bench_family.py run_bench --models deepseek_v2,glm4_moe_lite \
+      --impls liger-dspine --name family_fp8 --variant 'fp8={"fp8": true}' ;;
     # train-drafter's sharded paths on CUDA with NCCL, one rank: FSDP2 drafter and FSDP2 target, then a resume
     train-drafter-fsdp)
       rm -rf /tmp/train-drafter-fsdp
