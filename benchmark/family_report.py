@@ -61,8 +61,8 @@ def variant_markdown(steps: list[dict]) -> str:
     """The --variant rows (liger-dspine with other options) beside the liger-dspine defaults' row of the same model
     and length: tokens/s, peak memory and loss, their ratios, and the variant's goal where it has one."""
     variants = [r for r in steps if r.get("impl") not in (*IMPLS, "-")]
-    header = ["model", "seq", "variant", "tok/s", "defaults tok/s", "speed vs defaults", "peak GiB", "defaults peak GiB"]
-    header += ["peak vs defaults", "loss - defaults", "goal"]
+    header = ["model", "seq", "variant", "tok/s", "defaults tok/s", "speed vs defaults", "peak GiB"]
+    header += ["defaults peak GiB", "peak vs defaults", "loss - defaults", "goal"]
     lines = _header_lines(header)
     for row in sorted(variants, key=lambda r: (list(FAMILY).index(r["model"]), r["seq"], r["impl"])):
         base = next((r for r in steps if r.get("impl") == "liger-dspine" and r.get("model") == row["model"]

@@ -1,8 +1,9 @@
 """``benchmark/bench_family.py --tiny``: the DeepSeek-family benchmark's plumbing on CPU. DeepSeek-V2 runs through
-all three implementations (one process each) and a ``--variant`` (liger-dspine with other options); a second run adds GLM-4.7-Flash's liger-kernel row (no patch there: no
-process) and DeepSeek-V3.2 (skipped with its reason while liger-dspine or transformers lacks it) to the same CSV; a
-third adds DeepSeek-V4 at its 3-layer plan, liger-dspine with its defaults; a fourth adds DeepSeek-V2's
-longest-sequence sweeps (out of memory simulated above 64 tokens) and keeps its step rows."""
+all three implementations (one process each) and a ``--variant`` (liger-dspine with other options); a second run adds
+GLM-4.7-Flash's liger-kernel row (no patch there: no process) and DeepSeek-V3.2 (skipped with its reason while
+liger-dspine or transformers lacks it) to the same CSV; a third adds DeepSeek-V4 at its 3-layer plan, liger-dspine
+with its defaults; a fourth adds DeepSeek-V2's longest-sequence sweeps (out of memory simulated above 64 tokens) and
+keeps its step rows."""
 
 import csv
 import json
