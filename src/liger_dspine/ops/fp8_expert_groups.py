@@ -11,13 +11,14 @@ ops' reference runs (fp8 values as fp32, fp32 matmul per group, times the two sc
 
 The expert weights stay in their own dtype and are quantised again at every call: rowwise in forward (gate_up_proj
 per output row over H, down_proj per output row over I), per column in backward (gate_up_proj over 2I for the input
-gradient, down_proj over H for grad_out @ down_proj). The rowwise quantiser reads a weight once (2 bytes an element
-in bf16) and writes it once (1 byte); the column quantiser reads it twice (amax, then values) and writes it once. So
-a step costs 8 bytes of memory traffic per expert weight element (3 forward, 5 backward), plus 4 bytes per fp32
-scale, and holds one fp8 copy of a weight (1 byte an element) while its GEMM runs. For DeepSeek-V3's routed experts
-(E = 256, H = 7168, I = 2048: 3 * H * I = 44,040,192 elements an expert, 11.27e9 a layer) that is 352 MB an expert
-and 90.2 GB a layer per step (about 27 ms of HBM time at 3.35 TB/s), and a transient fp8 gate_up_proj of 7.5 GB a
-layer; divide by the expert-parallel degree for one rank's share.
+gradient, down_proj over H for grad_out @ down_proj). The forward's rowwise pass reads a weight once (2 bytes an
+element in bf16), writes it once (1 byte) and also finds the column amaxes the backward needs ([E, H] and [E, I]
+int32, kept by the forward); the backward's column quantiser then reads it once and writes it once. So a step costs
+6 bytes of memory traffic per expert weight element (3 forward, 3 backward; 8 with a separate amax pass), plus 4
+bytes per fp32 scale, and holds one fp8 copy of a weight (1 byte an element) while its GEMM runs. For DeepSeek-V3's
+routed experts (E = 256, H = 7168, I = 2048: 3 * H * I = 44,040,192 elements an expert, 11.27e9 a layer) that is
+264 MB an expert and 67.6 GB a layer per step (about 20 ms of HBM time at 3.35 TB/s), and a transient fp8
+gate_up_proj of 7.5 GB a layer; divide by the expert-parallel degree for one rank's share.
 """
 
 import torch
@@ -52,16 +53,21 @@ def check_fp8_experts(device: torch.device, dtype: torch.dtype, hidden: int, int
         raise ValueError(f"liger-dspine: FP8 grouped experts compute in {names} on {device.type}, got {dtype}")
 
 
-def _per_column(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weights [E, K', N] -> (q [E, N, K'] fp8, scale [E, N]): each column of weights[e] scaled over K'. A transposed
-    view of a row-major [E, N, K'] is quantised rowwise in place of it, a row-major [E, K', N] by the column
-    quantiser (K' a multiple of 16: no padding)."""
+def _per_column(weights: torch.Tensor, amax: torch.Tensor | None = None, keep_amax: bool = False):
+    """weights [E, K', N] -> (q [E, N, K'] fp8, scale [E, N], amax): each column of weights[e] scaled over K'. A
+    transposed view of a row-major [E, N, K'] is quantised rowwise in place of it, which with ``keep_amax`` also
+    finds each row's largest |weights[e, k', :]| ([E, K'] int32 fp32 bits, else None): the ``amax`` that the column
+    quantiser of a row-major [E, K', N] (K' a multiple of 16: no padding) takes for the same values, in the backward,
+    instead of a pass of its own."""
     experts, inner, outer = weights.shape
     rows = weights.transpose(1, 2)
     if rows.is_contiguous():
-        q, scale = quantize_rowwise(rows.reshape(experts * outer, inner))
-        return q.view(experts, outer, inner), scale.view(experts, outer)
-    return quantize_columns(weights)
+        q, scale, *kept = quantize_rowwise(rows, with_column_amax=keep_amax)
+        return q, scale, kept[0] if kept else None
+    if keep_amax:
+        raise ValueError("liger-dspine: FP8 experts keep the amax of transposed (row-major [E, N, K']) weights only")
+    q, scale = quantize_columns(weights, amax)
+    return q, scale, None
 
 
 class FP8ExpertGroups:
@@ -70,13 +76,24 @@ class FP8ExpertGroups:
     def __init__(self, offsets: torch.Tensor):
         self.offsets = offsets
 
-    def rows_mm(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """[S, K'] rows, [E, K', N] weights -> [S, N] in rows' dtype: each group's rows times its expert's matrix."""
+    def rows_mm(self, rows: torch.Tensor, weights: torch.Tensor, weight_amax: torch.Tensor | None = None):
+        """[S, K'] rows, [E, K', N] weights -> [S, N] in rows' dtype: each group's rows times its expert's matrix.
+        ``weight_amax``: what :meth:`rows_mm_keeping_amax` kept for the transpose of these weights."""
+        return self._rows_mm(rows, weights, weight_amax, False)[0]
+
+    def rows_mm_keeping_amax(self, rows: torch.Tensor, weights: torch.Tensor):
+        """(:meth:`rows_mm`, the largest |weights[e, k', :]| [E, K'] int32) for weights that are the transpose of a
+        row-major [E, N, K']: the amax of the backward's product with that row-major tensor."""
+        return self._rows_mm(rows, weights, None, True)
+
+    def _rows_mm(self, rows, weights, weight_amax, keep_amax):
+        if rows.shape[0] == 0 and not keep_amax:
+            return rows.new_zeros(0, weights.shape[2]), None
+        q_weights, scale_weights, amax = _per_column(weights, weight_amax, keep_amax)
         if rows.shape[0] == 0:
-            return rows.new_zeros(0, weights.shape[2])
+            return rows.new_zeros(0, weights.shape[2]), amax
         q_rows, scale_rows = quantize_rowwise(rows)
-        q_weights, scale_weights = _per_column(weights)
-        return _grouped_rows_mm(q_rows, scale_rows, q_weights, scale_weights, self.offsets, rows.dtype)
+        return _grouped_rows_mm(q_rows, scale_rows, q_weights, scale_weights, self.offsets, rows.dtype), amax
 
     def weight_grad(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         """[M, S] and [S, N] -> [E, M, N] in left's dtype: per group, the product over its rows; zeros for an expert

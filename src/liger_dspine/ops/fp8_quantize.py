@@ -13,8 +13,9 @@ bytes an element, and a correctly rounded division costs about eight instruction
 
 Three layouts, each writing the fp8 values and the scales once:
 
-- rows:          x [M, C] -> q [M, C], scale [M]; one read of x (rows in registers, for C <= 8192; a program
-                 takes 8192 // C rows, C rounded up to a power of 2).
+- rows:          x [(B,) M, C] -> q [(B,) M, C], scale [(B,) M]; one read of x (rows in registers, for C <= 8192;
+                 a program takes 8192 // C rows, C rounded up to a power of 2). It can also return each column's
+                 amax over the M rows ([(B,) C]), which spares the column quantiser of the same x its amax pass.
 - columns:       x [..., M, C] -> q [..., C, Mp], scale [..., C]: scaled along M, written transposed (the K-major
                  operand of a backward GEMM), with zero columns from M up to Mp = M rounded up to 16.
 - group columns: x [S, C] with group ends offs [E] -> q [C, Sp], scale [E, C]: per group of rows, scaled along
@@ -107,11 +108,16 @@ def _quantized(x, inverse):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, column_amax_ptr, rows, cols, x_stride, q_stride, ROWS: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, column_amax_ptr, rows, cols, x_batch_stride, x_stride, q_stride, ROWS: tl.constexpr,
     STEPS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, COLUMN_AMAX: tl.constexpr,
 ):  # fmt: skip
-    """STEPS blocks of ROWS rows a program. With COLUMN_AMAX (ONE_PASS only) the program also keeps the largest
-    |x| of each column over its rows and merges it into column_amax_ptr ([cols] int32, fp32 bits) atomically."""
+    """x [B, rows, cols] (grid axis 1: the batch); STEPS blocks of ROWS rows a program. With COLUMN_AMAX (ONE_PASS
+    only) the program also keeps the largest |x| of each column over its rows and merges it into its batch's
+    column_amax_ptr row ([B, cols] int32, fp32 bits) atomically."""
+    batch = tl.program_id(1).to(tl.int64)
+    x_ptr += batch * x_batch_stride
+    q_ptr += batch * rows * q_stride
+    scale_ptr += batch * rows
     offsets = tl.arange(0, BLOCK)[None, :]
     column_amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for step in range(STEPS):
@@ -142,7 +148,8 @@ def _quantize_rows_kernel(
         tl.store(scale_ptr + row, scale, mask=row_mask)
     if COLUMN_AMAX:
         merged = tl.max(column_amax, axis=0).to(tl.int32, bitcast=True)
-        tl.atomic_max(column_amax_ptr + tl.arange(0, BLOCK), merged, mask=tl.arange(0, BLOCK) < cols, sem="relaxed")
+        column = tl.arange(0, BLOCK)
+        tl.atomic_max(column_amax_ptr + batch * cols + column, merged, mask=column < cols, sem="relaxed")
 
 
 @triton.jit
@@ -338,38 +345,45 @@ def quantize_group_columns_reference(
 
 @liger_custom_op("liger_dspine::fp8_quantize_rows", mutates_args=())
 def _quantize_rows(x: torch.Tensor, with_column_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, column amax): the last [C] int32 (fp32 bits of each column's largest |x|) with_column_amax, else
-    empty."""
-    rows, cols = x.shape
+    """x [M, C] or [B, M, C] -> (q, scale, column amax): the last [(B,) C] int32 (fp32 bits of each column's
+    largest |x| over its M rows) with_column_amax, else empty."""
     if not _use_kernel(x):
         q, scale = quantize_rowwise_reference(x)
         return q, scale, _column_amax_reference(x) if with_column_amax else _no_amax(x)
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    column_amax = torch.zeros(cols, dtype=torch.int32, device=x.device) if with_column_amax else _no_amax(x)
+    *batch_shape, rows, cols = x.shape
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)  # any row stride: the last dim is contiguous
+    batches = x3.shape[0]
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    column_amax = (
+        torch.zeros(*batch_shape, cols, dtype=torch.int32, device=x.device) if with_column_amax else _no_amax(x)
+    )
     block = min(triton.next_power_of_2(max(cols, 1)), _MAX_ROW_BLOCK)
     one_pass = cols <= block
-    if rows:
+    if rows and batches:
         rows_per_block = max(1, _ROW_PROGRAM_ELEMENTS // block)
         blocks = triton.cdiv(rows, rows_per_block)
         # with the column amax, a program takes several blocks: fewer atomic merges, yet enough programs to fill
-        # the GPU (at least _FUSED_AMAX_PROGRAMS)
-        steps = max(1, min(_MAX_AMAX_STEPS, blocks // _FUSED_AMAX_PROGRAMS)) if with_column_amax and one_pass else 1
-        _quantize_rows_kernel[(triton.cdiv(blocks, steps),)](
-            x, q, scale, column_amax, rows, cols, x.stride(0), q.stride(0), ROWS=rows_per_block, STEPS=steps,
-            BLOCK=block, ONE_PASS=one_pass, COLUMN_AMAX=with_column_amax and one_pass,
+        # the GPU (at least _FUSED_AMAX_PROGRAMS over all batches)
+        steps = 1
+        if with_column_amax and one_pass:
+            steps = max(1, min(_MAX_AMAX_STEPS, blocks, blocks * batches // _FUSED_AMAX_PROGRAMS))
+        _quantize_rows_kernel[(triton.cdiv(blocks, steps), batches)](
+            x3, q, scale, column_amax, rows, cols, x3.stride(0), x3.stride(1), q.stride(-2), ROWS=rows_per_block,
+            STEPS=steps, BLOCK=block, ONE_PASS=one_pass, COLUMN_AMAX=with_column_amax and one_pass,
             num_warps=8 if rows_per_block * block >= 2048 else 4,
         )  # fmt: skip
     if with_column_amax and not one_pass:  # rows wider than one block: the column kernel's amax pass
-        _launch_column_amax(x.unsqueeze(0), column_amax.unsqueeze(0))
+        _launch_column_amax(x3, column_amax.view(batches, cols))
     return q, scale, column_amax
 
 
 @_quantize_rows.register_fake
 def _(x, with_column_amax=False):
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    amax = x.new_empty(x.shape[1] if with_column_amax else 0, dtype=torch.int32)
-    return q, x.new_empty(x.shape[0], dtype=torch.float32), amax
+    amax_shape = (*x.shape[:-2], x.shape[-1]) if with_column_amax else (0,)
+    amax = x.new_empty(amax_shape, dtype=torch.int32)
+    return q, x.new_empty(x.shape[:-1], dtype=torch.float32), amax
 
 
 def _no_amax(x: torch.Tensor) -> torch.Tensor:
@@ -456,10 +470,10 @@ def _(x, offs):
 
 
 def quantize_rowwise(x: torch.Tensor, with_column_amax: bool = False):
-    """x [M, C] fp16/bf16/fp32 -> (q [M, C] float8_e4m3fn, scale [M] fp32), scaled along the last dim; with
-    ``with_column_amax`` also each column's largest |x| ([C] int32, its fp32 bits) for :func:`quantize_columns`
-    of the same x, found in the same pass."""
-    _check(x, (2,), "FP8 rowwise quantisation")
+    """x [M, C] or [B, M, C] fp16/bf16/fp32 -> (q float8_e4m3fn of x's shape, scale [(B,) M] fp32), scaled along the
+    last dim; with ``with_column_amax`` also each column's largest |x| over the M rows ([(B,) C] int32, its fp32
+    bits) for :func:`quantize_columns` of the same x, found in the same pass."""
+    _check(x, (2, 3), "FP8 rowwise quantisation")
     q, scale, column_amax = _quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), with_column_amax)
     return (q, scale, column_amax) if with_column_amax else (q, scale)
 

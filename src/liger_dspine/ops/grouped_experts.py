@@ -117,8 +117,11 @@ class ExpertGroups:
             ends = offsets.tolist()
             self.bounds = list(zip([0] + ends[:-1], ends))
 
-    def rows_mm(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """[S, K'] rows, [E, K', N] weights -> [S, N]: each group's rows times its expert's matrix."""
+    def rows_mm(self, rows: torch.Tensor, weights: torch.Tensor, weight_amax: None = None) -> torch.Tensor:
+        """[S, K'] rows, [E, K', N] weights -> [S, N]: each group's rows times its expert's matrix. (``weight_amax``
+        is the FP8 groups'; these GEMMs quantise nothing.)"""
+        if weight_amax is not None:
+            raise ValueError("liger-dspine: a weight amax is for FP8 expert groups only")
         if self.use_torch:
             return torch_grouped_mm_function()(rows, weights, offs=self.offsets)
         out = rows.new_zeros(rows.shape[0], weights.shape[2])
@@ -257,10 +260,11 @@ class LigerGroupedExpertsFunction(torch.autograd.Function):
             )
         if fp8:
             check_fp8_experts(hidden_states.device, dtype, gate_up_proj.shape[2], down_proj.shape[2])
-        out, perm, row_of_slot, offsets, gate_up = _grouped_experts(
+        out, *saved_outputs = _grouped_experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit, fp8
         )
-        saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
+        # perm, row_of_slot, offsets, gate_up and (FP8) the weights' column amaxes
+        saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, *saved_outputs)
         ctx.save_for_backward(*saved)
         ctx.gemm_dtype, ctx.limit, ctx.fp8 = dtype, limit, fp8
         return out
@@ -304,9 +308,11 @@ def _grouped_experts(
     dtype: torch.dtype,
     limit: float | None = None,
     fp8: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward: (out [T, H], perm [S], row_of_slot [S], offsets [E] int32, gate_up [S, 2I]); the last four are
-    what the backward needs."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward: (out [T, H], perm [S], row_of_slot [S], offsets [E] int32, gate_up [S, 2I], amax_gate_up,
+    amax_down); the last six are what the backward needs. With ``fp8`` the amaxes are the weights' column amaxes
+    that the backward's column quantisers take ([E, H] over gate_up_proj's 2I rows, [E, I] over down_proj's H rows;
+    int32 fp32 bits), else empty."""
     num_tokens, top_k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
     device = hidden_states.device
@@ -324,37 +330,52 @@ def _grouped_experts(
         groups = FP8ExpertGroups(offsets) if fp8 else ExpertGroups(offsets, use_torch)
 
         x_sorted = hidden_states.to(dtype)[perm // top_k]  # [S, H]
-        gate_up = groups.rows_mm(x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
+        gate_up, amax_gate_up = _rows_mm(groups, x_sorted, gate_up_proj.to(dtype).transpose(1, 2))  # [S, 2I]
         del x_sorted
         act = silu_mul_rows(gate_up, limit) if silu_mul_rows_supported(gate_up) else silu_mul(gate_up, limit)
-        y = groups.rows_mm(act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
+        y, amax_down = _rows_mm(groups, act, down_proj.to(dtype).transpose(1, 2))  # [S, H]
         del act
         slot_weights = top_k_weights.to(wide(top_k_weights.dtype))
         out = summed_slots(y, row_of_slot.view(num_tokens, top_k), slot_weights, hidden_states.dtype)
-    return out, perm, row_of_slot, offsets, gate_up
+    return out, perm, row_of_slot, offsets, gate_up, amax_gate_up, amax_down
+
+
+def _rows_mm(groups, rows: torch.Tensor, weights: torch.Tensor):
+    """(groups.rows_mm(rows, weights), the weights' amax the backward takes: FP8 groups only, else empty)."""
+    if isinstance(groups, FP8ExpertGroups):
+        return groups.rows_mm_keeping_amax(rows, weights)
+    return groups.rows_mm(rows, weights), rows.new_empty(0, dtype=torch.int32)
 
 
 @_grouped_experts.register_fake
 def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit=None, fp8=False):
-    return _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
+    outputs = _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
+    experts, hidden, intermediate = down_proj.shape
+    amax_shapes = ((experts, hidden), (experts, intermediate)) if fp8 else ((0,), (0,))
+    return (*outputs, *(torch.empty(shape, dtype=torch.int32, device=hidden_states.device) for shape in amax_shapes))
 
 
 class _BackwardContext:
-    """What the backward helpers read: the input-gradient flags, the expert groups and the GEMM dtype."""
+    """What the backward helpers read: the input-gradient flags, the expert groups, the GEMM dtype, the clamp limit
+    and (FP8) the weights' column amaxes kept by the forward (an empty tensor: None)."""
 
-    def __init__(self, needs_input_grad, groups, gemm_dtype, limit):
+    def __init__(self, needs_input_grad, groups, gemm_dtype, limit, amax_gate_up, amax_down):
         self.needs_input_grad, self.groups, self.gemm_dtype, self.limit = needs_input_grad, groups, gemm_dtype, limit
+        self.amax_gate_up, self.amax_down = (amax if amax.numel() else None for amax in (amax_gate_up, amax_down))
 
 
 def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up,
-              dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place):  # fmt: skip
+              amax_gate_up, amax_down, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8,
+              in_place):  # fmt: skip
     """(grad_x, grad_weights, grad_gate_up, grad_down), each None when not needed. ``in_place``: the fused path
-    may write d gate_up over ``gate_up``."""
+    may write d gate_up over ``gate_up``. ``amax_gate_up`` / ``amax_down``: the weights' column amaxes from the
+    forward (FP8; empty otherwise)."""
     if fp8:
         groups = FP8ExpertGroups(offsets)
     else:
         groups = ExpertGroups(offsets, use_torch_grouped_mm(hidden_states, gate_up_proj, down_proj, dtype))
-    ctx = _BackwardContext((need_x, False, need_weights, need_gate_up, need_down), groups, dtype, limit)
+    needs = (need_x, False, need_weights, need_gate_up, need_down)
+    ctx = _BackwardContext(needs, groups, dtype, limit, amax_gate_up, amax_down)
     saved = (hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, gate_up)
     grad_x = grad_weights = grad_gate_up = grad_down = None
     num_tokens, top_k = top_k_weights.shape
@@ -375,7 +396,7 @@ def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, p
         if not (need_x or need_weights or need_gate_up):
             return None, None, None, grad_down
 
-        g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
+        g = groups.rows_mm(grad_sorted, down_proj.to(dtype), ctx.amax_down)  # [S, I]: grad_out[t] @ down_proj[e]
         del grad_sorted
         if need_weights:
             # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
@@ -400,7 +421,8 @@ def _backward_outputs(grads, like: torch.Tensor):
 
 
 def _backward_fake(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets,
-                   gate_up, dtype, need_x, need_weights, need_gate_up, need_down, limit=None, fp8=False):  # fmt: skip
+                   gate_up, amax_gate_up, amax_down, dtype, need_x, need_weights, need_gate_up, need_down, limit=None,
+                   fp8=False):  # fmt: skip
     shapes = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     needs = (need_x, need_weights, need_gate_up, need_down)
     return tuple(
@@ -420,6 +442,8 @@ def _grouped_experts_backward_(
     row_of_slot: torch.Tensor,
     offsets: torch.Tensor,
     gate_up: torch.Tensor,
+    amax_gate_up: torch.Tensor,
+    amax_down: torch.Tensor,
     dtype: torch.dtype,
     need_x: bool,
     need_weights: bool,
@@ -431,7 +455,8 @@ def _grouped_experts_backward_(
     """(grad_x, grad_weights, grad_gate_up, grad_down), an empty [0] tensor for each one not needed; d gate_up may be
     written over the saved ``gate_up``."""
     args = (grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, perm, row_of_slot, offsets, gate_up)
-    grads = _backward(*args, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8, in_place=True)
+    args += (amax_gate_up, amax_down, dtype, need_x, need_weights, need_gate_up, need_down, limit, fp8)
+    grads = _backward(*args, in_place=True)
     return _backward_outputs(grads, hidden_states)
 
 
@@ -449,7 +474,7 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row, in_place):
     token_of_row = perm // top_k
 
     grad_sorted = grad_out.to(dtype)[token_of_row]  # [S, H]
-    g = groups.rows_mm(grad_sorted, down_proj.to(dtype))  # [S, I]: grad_out[t] @ down_proj[e]
+    g = groups.rows_mm(grad_sorted, down_proj.to(dtype), ctx.amax_down)  # [S, I]: grad_out[t] @ down_proj[e]
     d_gate_up, dots, scaled = silu_mul_rows_backward(
         gate_up, g, weight_of_row, row_dot=need_weights, scaled_act=need_down, in_place=in_place, limit=ctx.limit
     )
@@ -478,7 +503,7 @@ def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of
         grad_gate_up = groups.weight_grad(d_gate_up.t(), x_sorted).to(gate_up_proj.dtype)
         del x_sorted
     if need_x:
-        d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype))  # [S, H]
+        d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype), ctx.amax_gate_up)  # [S, H]
     return grad_gate_up, d_x_sorted
 
 

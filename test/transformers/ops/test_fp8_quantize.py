@@ -161,7 +161,7 @@ def test_padded_offsets_bound():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="liger-dspine: FP8 rowwise"):
-        quantize_rowwise(torch.zeros(2, 3, 4))
+        quantize_rowwise(torch.zeros(2, 3, 4, 5))
     with pytest.raises(ValueError, match="liger-dspine: FP8 column"):
         quantize_columns(torch.zeros(4, dtype=torch.float32))
     with pytest.raises(ValueError, match="fp16/bf16/fp32"):
@@ -182,6 +182,10 @@ def test_kernels_match_reference_on_cuda_bf16():
     assert_same_quantisation(*quantize_columns(x, column_amax), *quantize_columns_reference(x))
     w = torch.randn(8, 2048, 7168, device="cuda", generator=generator).bfloat16()
     assert_same_quantisation(*quantize_columns(w), *quantize_columns_reference(w))
+    q, scale, column_amax = quantize_rowwise(w, with_column_amax=True)  # per expert
+    assert_same_quantisation(q, scale, *quantize_rowwise_reference(w))
+    assert torch.equal(column_amax.view(torch.float32), w.float().abs().amax(dim=1))
+    assert_same_quantisation(*quantize_columns(w, column_amax), *quantize_columns_reference(w))
     counts = torch.tensor([700, 0, 1, 1500, 16, 900, 0, 979])
     offs = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
     q, scale, ends = quantize_group_columns(x, offs)
@@ -211,6 +215,34 @@ def test_batched_columns_take_a_column_amax_per_batch():
     amax = torch.stack([quantize_rowwise(x[b], with_column_amax=True)[2] for b in range(2)])
     assert_same_quantisation(*quantize_columns(x, amax), *quantize_columns(x))
     assert_same_quantisation(*quantize_columns(x, amax), *quantize_columns_reference(x))
+
+
+@pytest.mark.parametrize("batches, rows, cols, programs", [(3, 37, 20, 512), (4, 300, 70, 1), (2, 5, 8200, 512)])
+def test_batched_rows_find_each_batchs_column_amax(batches, rows, cols, programs, monkeypatch):
+    """x [B, M, C] (a stack of expert weights): rows quantised as those of x.view(B * M, C), and the column amax
+    per batch over its own M rows (one row block a program, several merged atomically, or the amax pass for rows
+    wider than one block), which the batched column quantiser takes in place of its own pass."""
+    from liger_dspine.ops import fp8_quantize
+
+    monkeypatch.setattr(fp8_quantize, "_FUSED_AMAX_PROGRAMS", programs)
+    x = spread(batches * rows, cols, torch.float32, seed=batches + rows).view(batches, rows, cols)
+    x[1] *= 1000  # batches of very different ranges: an amax merged across batches would show
+    q, scale, column_amax = quantize_rowwise(x, with_column_amax=True)
+    assert q.shape == x.shape and scale.shape == (batches, rows) and column_amax.shape == (batches, cols)
+    flat_q, flat_scale = quantize_rowwise(x.view(batches * rows, cols))
+    assert_same_quantisation(q.view(-1, cols), scale.view(-1), flat_q, flat_scale)
+    assert_same_quantisation(*quantize_rowwise(x), *quantize_rowwise_reference(x))
+    assert torch.equal(column_amax.view(torch.float32), x.abs().amax(dim=1))
+    assert_same_quantisation(*quantize_columns(x, column_amax), *quantize_columns_reference(x))
+
+
+def test_rows_of_a_strided_view_are_read_in_place():
+    """Rows with a stride larger than their width (a slice of columns) quantise as their contiguous copy."""
+    x = spread(30, 48, torch.float32, seed=5)[:, 8:40]
+    assert x.stride(0) == 48
+    q, scale, amax = quantize_rowwise(x, with_column_amax=True)
+    assert_same_quantisation(q, scale, *quantize_rowwise(x.contiguous()))
+    assert torch.equal(amax, quantize_rowwise(x.contiguous(), with_column_amax=True)[2])
 
 
 def test_a_column_amax_of_the_wrong_size_is_refused():

@@ -275,8 +275,10 @@ def test_close_to_the_unquantised_op(tokens, top_k, num_experts, used, limit, se
 def test_every_gemm_goes_through_fp8_groups(monkeypatch):
     calls = []
     for cls in (ops.ExpertGroups, fp8_expert_groups.FP8ExpertGroups):
-        for name in ("rows_mm", "weight_grad"):
-            original = getattr(cls, name)
+        for name in ("rows_mm", "rows_mm_keeping_amax", "weight_grad"):
+            original = getattr(cls, name, None)
+            if original is None:
+                continue
 
             def counted(self, *args, _key=(cls.__name__, name), _original=original):
                 calls.append(_key)
@@ -284,7 +286,9 @@ def test_every_gemm_goes_through_fp8_groups(monkeypatch):
 
             monkeypatch.setattr(cls, name, counted)
     run(*inputs(12, 2, 4, [0, 2, 3]), fp8=True)
-    assert sorted(calls) == [("FP8ExpertGroups", "rows_mm")] * 4 + [("FP8ExpertGroups", "weight_grad")] * 2
+    # the forward's two products keep the weights' column amax for the backward's two
+    expected = [("FP8ExpertGroups", "rows_mm")] * 2 + [("FP8ExpertGroups", "rows_mm_keeping_amax")] * 2
+    assert sorted(calls) == expected + [("FP8ExpertGroups", "weight_grad")] * 2
 
 
 def saved_tensors(fn) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
@@ -309,9 +313,35 @@ def test_saves_what_the_unquantised_op_saves(dtype):
         return lambda: ops.liger_grouped_experts(leaves[0], index, leaves[1], *leaves[2:], fp8=fp8)
 
     saved = saved_tensors(call(True))
-    assert saved == saved_tensors(call(False))
+    plain = saved_tensors(call(False))
+    # and the weights' column amaxes (int32 [E, H] and [E, I]); the unquantised op saves two empty tensors there
+    amaxes = [((4, 32), torch.int32, 4 * 32 * 4), ((4, 16), torch.int32, 4 * 16 * 4)]
+    assert sorted(amaxes, key=str) == [entry for entry in saved if entry[1] == torch.int32 and len(entry[0]) == 2]
+    empty = (torch.int32, 0)
+    assert [entry for entry in plain if entry[1:] == empty] == [((0,), *empty)] * 2
+    assert [entry for entry in saved if entry not in amaxes] == [entry for entry in plain if entry[1:] != empty]
     assert ((24, 32), dtype, 24 * 32 * dtype.itemsize) in saved  # the gate/up output, in the GEMM dtype
     assert not any(d == torch.float8_e4m3fn for _, d, _ in saved)
+
+
+def test_backward_takes_the_weights_column_amax_from_the_forward(monkeypatch):
+    """The forward's rowwise passes over the weights find the column amaxes that the backward's column quantisers
+    need: no amax pass runs, and the gradients are those of a backward that finds the amaxes itself."""
+    from liger_dspine.ops import fp8_quantize
+
+    passes = []
+    launch = fp8_quantize._launch_column_amax
+    monkeypatch.setattr(fp8_quantize, "_launch_column_amax", lambda *args: passes.append(1) or launch(*args))
+    tensors = inputs(12, 2, 4, [0, 2, 3])
+    kept = run(*tensors, fp8=True)
+    assert passes == []
+    groups = fp8_expert_groups.FP8ExpertGroups
+    monkeypatch.setattr(groups, "rows_mm_keeping_amax", lambda self, rows, weights: (
+        self.rows_mm(rows, weights), rows.new_empty(0, dtype=torch.int32)))  # fmt: skip
+    found = run(*tensors, fp8=True)
+    assert len(passes) == 2  # gate_up_proj's and down_proj's, in the backward
+    for a, b in zip(kept, found):
+        assert torch.equal(a, b)
 
 
 def test_no_tokens():
@@ -351,7 +381,8 @@ def test_cuda_layouts_pass_torch_checks():
             (empty(rows, 2 * intermediate), gate_up_proj, (rows, hidden)),  # input gradient
         ]
         for a, weights, shape in products:
-            out = cuda_grouped_rows_mm(*quantize_rowwise(a), *fp8_expert_groups._per_column(weights), offs)
+            q_weights, scale_weights, _ = fp8_expert_groups._per_column(weights)
+            out = cuda_grouped_rows_mm(*quantize_rowwise(a), q_weights, scale_weights, offs)
             assert out.shape == shape and out.dtype == torch.bfloat16
         for left, right in (
             (empty(rows, hidden), empty(rows, intermediate)),
