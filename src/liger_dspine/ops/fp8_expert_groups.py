@@ -56,17 +56,15 @@ def check_fp8_experts(device: torch.device, dtype: torch.dtype, hidden: int, int
 def _per_column(weights: torch.Tensor, amax: torch.Tensor | None = None, keep_amax: bool = False):
     """weights [E, K', N] -> (q [E, N, K'] fp8, scale [E, N], amax): each column of weights[e] scaled over K'. A
     transposed view of a row-major [E, N, K'] is quantised rowwise in place of it, which with ``keep_amax`` also
-    finds each row's largest |weights[e, k', :]| ([E, K'] int32 fp32 bits, else None): the ``amax`` that the column
-    quantiser of a row-major [E, K', N] (K' a multiple of 16: no padding) takes for the same values, in the backward,
-    instead of a pass of its own."""
+    finds each row's largest |weights[e, k', :]| ([E, K'] int32 fp32 bits; None for other layouts and without
+    ``keep_amax``): the ``amax`` that the column quantiser of a row-major [E, K', N] (K' a multiple of 16: no
+    padding) takes for the same values, in the backward, instead of a pass of its own."""
     experts, inner, outer = weights.shape
     rows = weights.transpose(1, 2)
     if rows.is_contiguous():
         q, scale, *kept = quantize_rowwise(rows, with_column_amax=keep_amax)
         return q, scale, kept[0] if kept else None
-    if keep_amax:
-        raise ValueError("liger-dspine: FP8 experts keep the amax of transposed (row-major [E, N, K']) weights only")
-    q, scale = quantize_columns(weights, amax)
+    q, scale = quantize_columns(weights, amax)  # finds its own amax when none is given
     return q, scale, None
 
 
@@ -83,7 +81,8 @@ class FP8ExpertGroups:
 
     def rows_mm_keeping_amax(self, rows: torch.Tensor, weights: torch.Tensor):
         """(:meth:`rows_mm`, the largest |weights[e, k', :]| [E, K'] int32) for weights that are the transpose of a
-        row-major [E, N, K']: the amax of the backward's product with that row-major tensor."""
+        row-major [E, N, K']: the amax of the backward's product with that row-major tensor (None for weights of
+        another layout, whose backward then finds it itself)."""
         return self._rows_mm(rows, weights, None, True)
 
     def _rows_mm(self, rows, weights, weight_amax, keep_amax):

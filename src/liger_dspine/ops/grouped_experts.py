@@ -341,17 +341,22 @@ def _grouped_experts(
 
 
 def _rows_mm(groups, rows: torch.Tensor, weights: torch.Tensor):
-    """(groups.rows_mm(rows, weights), the weights' amax the backward takes: FP8 groups only, else empty)."""
+    """(groups.rows_mm(rows, weights), the weights' amax the backward takes: FP8 groups only, else empty, and empty
+    where the weights' layout gives none)."""
+    amax = None
     if isinstance(groups, FP8ExpertGroups):
-        return groups.rows_mm_keeping_amax(rows, weights)
-    return groups.rows_mm(rows, weights), rows.new_empty(0, dtype=torch.int32)
+        out, amax = groups.rows_mm_keeping_amax(rows, weights)
+    else:
+        out = groups.rows_mm(rows, weights)
+    return out, rows.new_empty(0, dtype=torch.int32) if amax is None else amax
 
 
 @_grouped_experts.register_fake
 def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit=None, fp8=False):
     outputs = _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
-    experts, hidden, intermediate = down_proj.shape
-    amax_shapes = ((experts, hidden), (experts, intermediate)) if fp8 else ((0,), (0,))
+    # a weight's amax ([E, its last dim]) where FP8 quantises it rowwise in its own layout (row-major)
+    kept = [fp8 and w.to(dtype).is_contiguous() for w in (gate_up_proj, down_proj)]
+    amax_shapes = [(w.shape[0], w.shape[2]) if keep else (0,) for w, keep in zip((gate_up_proj, down_proj), kept)]
     return (*outputs, *(torch.empty(shape, dtype=torch.int32, device=hidden_states.device) for shape in amax_shapes))
 
 

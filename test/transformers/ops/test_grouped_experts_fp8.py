@@ -324,6 +324,23 @@ def test_saves_what_the_unquantised_op_saves(dtype):
     assert not any(d == torch.float8_e4m3fn for _, d, _ in saved)
 
 
+def test_weights_of_another_layout_find_their_amax_in_the_backward():
+    """Expert weights stored transposed (a column-major [E, 2I, H] view): the forward cannot keep their column amax,
+    the backward finds it itself, with the numbers of row-major weights; fake tensors give the same outputs."""
+    x, index, weights, gate_up_proj, down_proj, grad_out = inputs(12, 2, 4, [0, 2, 3])
+    transposed = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up_proj, down_proj)]
+    assert not any(w.is_contiguous() for w in transposed)
+    expected = run(x, index, weights, gate_up_proj, down_proj, grad_out, fp8=True)
+    for a, b in zip(run(x, index, weights, *transposed, grad_out, fp8=True), expected):
+        assert torch.equal(a, b)
+    real = ops._grouped_experts(x, index, weights, *transposed, torch.float32, None, True)
+    assert [t.shape for t in real[-2:]] == [(0,), (0,)]
+    with FakeTensorMode() as mode:
+        fake = ops._grouped_experts(*[mode.from_tensor(t) for t in (x, index, weights, *transposed)], torch.float32,
+                                    None, True)  # fmt: skip
+        assert [t.shape for t in fake] == [t.shape for t in real]
+
+
 def test_backward_takes_the_weights_column_amax_from_the_forward(monkeypatch):
     """The forward's rowwise passes over the weights find the column amaxes that the backward's column quantisers
     need: no amax pass runs, and the gradients are those of a backward that finds the amaxes itself."""
