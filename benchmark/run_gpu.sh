@@ -27,6 +27,7 @@
 #   PYTEST_ARGS    extra arguments of pytest (split on spaces)
 #   PROFILE_MODEL / PROFILE_IMPLS / PROFILE_OPTIONS  profile-family's model (deepseek_v2), implementations
 #                  ("hf liger-dspine") and liger-dspine options (JSON; hf ignores them)
+#   PROFILE_TOP    profile-compile-step: kernels, operators and peak allocations listed (default 30)
 #   TF_TESTS_TIMEOUT_S  transformers-tests: seconds per pytest run (default: what is left, less 60)
 #   MASKED_ATTENTION_BASELINE  bench-masked-attention: a file of another ops/masked_attention.py to measure too
 #   FP8_QUANTIZE_BASELINE  bench-fp8-quantize: a file of another ops/fp8_quantize.py to measure too
@@ -135,7 +136,7 @@ for step in "$@"; do
     profile-compile-step)
       for mode in "" --compile; do
         LIGER_FUSED_MOE_AUTOTUNE=0 timeout -k 10 $(($(left) - 5)) $PYTHON benchmark/profile_step.py --impl liger-dspine \
-          --model "${PROFILE_MODEL:-deepseek_v3}" --layers 2 --seq 4096 --peak-blocks $mode 2>&1 \
+          --model "${PROFILE_MODEL:-deepseek_v3}" --layers 2 --seq 4096 --peak-blocks --top "${PROFILE_TOP:-30}" $mode 2>&1 \
           | tee "$OUT/profile_compile_step_${PROFILE_MODEL:-deepseek_v3}${mode:+_compiled}.txt"
       done ;;
     # a DeepSeek-family step at the family benchmark's depth and widths, 4096 tokens, transformers and liger-dspine
