@@ -33,6 +33,28 @@ def check_fp8_projection(linear: nn.Module, name: str) -> None:
         )
 
 
+def check_fp8_linears(owner: str, module: nn.Module, names: tuple[str, ...]) -> None:
+    """At patch time, a ValueError for what ``fp8=True`` cannot run among ``module``'s projections ``names`` (those it
+    has): a bias, or a dim that is not a multiple of 16 (the FP8 GEMMs' requirement), named with its projection; so
+    that the patch refuses the model before changing it, not at its first forward."""
+    bad = {}
+    for name in names:
+        linear = getattr(module, name, None)
+        if not isinstance(linear, nn.Linear):
+            continue  # absent, or not a plain linear: the forward names it (check_fp8_projection)
+        if linear.bias is not None:
+            raise ValueError(
+                f"liger-dspine: fp8=True has no projection biases; this {owner}'s {name} has one: pass fp8=False"
+            )
+        bad.update({f"{name}.{dim}": getattr(linear, dim) for dim in ("in_features", "out_features")})
+    bad = {name: size for name, size in bad.items() if size % 16}
+    if bad:
+        raise ValueError(
+            f"liger-dspine: fp8=True needs every dim of an FP8 GEMM to be a multiple of 16; this {owner} has {bad}: "
+            "pass fp8=False"
+        )
+
+
 def call_as_fp8_projection(linear: nn.Module, name: str, function, *args):
     """``function(*args)`` in place of ``linear``'s call, once :func:`check_fp8_projection` accepts it: inside the
     module's hooks where a sharding engine gathers its weight, else directly. ``function`` reads ``linear.weight``."""

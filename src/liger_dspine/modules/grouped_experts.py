@@ -146,3 +146,15 @@ class LigerFP8GroupedExperts(LigerGroupedExperts):
     """:class:`LigerGroupedExperts` with every grouped GEMM in FP8 (``fp8=True`` of the apply functions)."""
 
     fp8 = True
+
+    @classmethod
+    def check_convertible(cls, module: nn.Module) -> None:
+        """Also a ValueError when the hidden or the expert width is not a multiple of 16 (the FP8 grouped GEMMs)."""
+        super().check_convertible(module)
+        _, two_intermediate, hidden = full_shape(local_tensor(module.gate_up_proj))
+        bad = {name: size for name, size in (("hidden", hidden), ("expert width", two_intermediate // 2)) if size % 16}
+        if bad:
+            raise ValueError(
+                f"liger-dspine: fp8=True needs the experts' hidden and expert widths to be multiples of 16; these "
+                f"experts have {bad}: pass fp8=False"
+            )

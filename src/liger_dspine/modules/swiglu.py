@@ -7,6 +7,7 @@ from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.config_reading import swiglu_limit
 from liger_dspine.modules.config_reading import unfused_activation_reason
 from liger_dspine.modules.fp8_projection import call_as_fp8_projection
+from liger_dspine.modules.fp8_projection import check_fp8_linears
 from liger_dspine.modules.fp8_projection import fp8_projection
 from liger_dspine.modules.native_fallback import native_instead
 from liger_dspine.modules.parallel_state import call_through_hooks
@@ -120,3 +121,8 @@ class LigerFP8SwiGLUMLP(LigerSwiGLUMLP):
     """:class:`LigerSwiGLUMLP` with its projections' GEMMs in FP8 (``fp8=True`` of the apply functions)."""
 
     fp8 = True
+
+    @classmethod
+    def check_convertible(cls, module: nn.Module) -> None:
+        super().check_convertible(module)
+        check_fp8_linears("MLP", module, ("gate_proj", "up_proj", "down_proj"))

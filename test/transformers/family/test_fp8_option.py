@@ -123,6 +123,40 @@ def test_fp8_refuses_what_it_cannot_run(options, message):
         apply(model=model, **{"fp8": True, **options})
 
 
+def _liger_modules(model: nn.Module) -> list[str]:
+    return [type(m).__name__ for m in model.modules() if type(m).__module__.startswith("liger_dspine")]
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, message",
+    [
+        ("deepseek_v3", dict(kv_lora_rank=8), "kv_a_proj_with_mqa.out_features': 24"),  # 8 + rope 16
+        ("deepseek_v3", dict(intermediate_size=40), "gate_proj.out_features': 40"),  # the dense MLP
+        # 2 shared experts: their MLP (48 wide) passes, the routed experts (24 wide) do not
+        ("deepseek_v3", dict(moe_intermediate_size=24, n_shared_experts=2), "'expert width': 24"),
+        ("deepseek_v3", dict(attention_bias=True), "q_a_proj has one"),
+        ("deepseek_v2", dict(v_head_dim=6), "o_proj.in_features': 24"),  # 4 heads x 6
+        ("glm4_moe_lite", dict(q_lora_rank=24), "q_a_proj.out_features': 24"),
+    ],
+)
+def test_fp8_refuses_a_model_it_cannot_run_before_changing_it(model_type, overrides, message):
+    """A dim an FP8 GEMM cannot take (not a multiple of 16) or a projection bias is refused when a built model is
+    patched, naming the projection, and the model is left as it was (not at its first forward)."""
+    if model_type == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM
+
+        model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**{**FP8_WIDTHS, **overrides})).float()
+        apply = apply_liger_kernel_to_deepseek_v3
+    else:
+        case = CASES[model_type]
+        model, apply = case.build(**{**FP8_WIDTHS, **overrides}), case.apply_fn()
+    with pytest.raises(ValueError, match=message):
+        apply(model=model, fp8=True)
+    assert _liger_modules(model) == []
+    apply(model=model)  # the bf16 patch takes it
+    assert _liger_modules(model)
+
+
 def test_an_fp8_projection_with_a_bias_is_refused_by_name():
     model, apply, _ = build("deepseek_v3")
     apply(model=model, fp8=True)

@@ -39,6 +39,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 from liger_dspine.modules.causal_mask import take_plain_causal
 from liger_dspine.modules.config_reading import runs_plain_linear
+from liger_dspine.modules.fp8_projection import check_fp8_linears
 from liger_dspine.modules.fp8_projection import fp8_projection
 
 
@@ -57,6 +58,13 @@ class LigerMLAAttention:
 
     recompute_core = False  # see LigerDeepseekV3RecomputeAttention
     fp8 = False  # the projections' GEMMs on FP8 operands (LigerFP8DeepseekV3Attention)
+    FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+    @classmethod
+    def check_convertible(cls, module) -> None:
+        """With ``fp8``: a ValueError for a projection that has a bias or a dim that is not a multiple of 16."""
+        if cls.fp8:
+            check_fp8_linears("attention", module, cls.FP8_PROJECTIONS)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
