@@ -54,6 +54,8 @@ OPERANDS = [
     ("mlp gate+up weight (36864 x 7168)", "columns", (36864, 7168), 0),
     ("experts gate+up (16 x 4096 x 7168)", "rows", (16 * 4096, 7168), 0),
     ("experts gate+up (16 x 4096 x 7168)", "columns", (16, 4096, 7168), 0),
+    ("experts gate+up (16 x 4096 x 7168)", "rows + column amax", (16, 4096, 7168), 0),
+    ("experts gate+up (16 x 4096 x 7168)", "columns, amax given", (16, 4096, 7168), 0),
     ("experts down (16 x 7168 x 2048)", "rows", (16 * 7168, 2048), 0),
     ("experts down (16 x 7168 x 2048)", "columns", (16, 7168, 2048), 0),
     ("expert rows, hidden (8192 x 7168)", "group columns", (8192, 7168), 16),
@@ -63,11 +65,28 @@ TINY_OPERANDS = [
     ("tiny", "rows", (40, 96), 0),
     ("tiny", "columns", (2, 40, 96), 0),
     ("tiny", "group columns", (40, 96), 4),
+    ("tiny", "rows + column amax", (2, 40, 96), 0),
+    ("tiny", "columns, amax given", (2, 40, 96), 0),
 ]
+
+
+def _column_amax_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.float().abs().amax(dim=-2).view(torch.int32)
+
+
+# per layout: (the op, its torch reference, the op's arguments beyond x); "rows + column amax" is the forward's rows
+# pass over a stack of expert weights that also finds each expert's column amax, "columns, amax given" the
+# backward's column pass that takes it (its amax pass skipped)
 OPS = {
-    "rows": (quantize_rowwise, quantize_rowwise_reference),
-    "columns": (quantize_columns, quantize_columns_reference),
-    "group columns": (quantize_group_columns, quantize_group_columns_reference),
+    "rows": (quantize_rowwise, quantize_rowwise_reference, lambda x: ()),
+    "columns": (quantize_columns, quantize_columns_reference, lambda x: ()),
+    "group columns": (quantize_group_columns, quantize_group_columns_reference, lambda x: ()),
+    "rows + column amax": (
+        lambda x: quantize_rowwise(x, with_column_amax=True),
+        lambda x: (*quantize_rowwise_reference(x), _column_amax_reference(x)),
+        lambda x: (),
+    ),
+    "columns, amax given": (quantize_columns, quantize_columns_reference, lambda x: (_column_amax_reference(x),)),
 }
 
 
@@ -101,18 +120,19 @@ def measure(operand, layout, shape, groups, device, repeats, baseline=None):
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(shape, device=device, generator=generator).to(dtype)
-    args = (x,)
+    kernel, reference, extra = OPS[layout]
+    args = (x, *extra(x))
     if groups:  # even routing
         args = (x, torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (shape[0] // groups))
-    kernel, reference = OPS[layout]
     nbytes = min_bytes(shape, dtype)
     source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     paths = {"triton": lambda: kernel(*args), "torch": lambda: reference(*args), "copy": lambda: target.copy_(source)}
-    if baseline is not None:
+    with_baseline = baseline is not None and layout in ENTRY_POINTS  # the layouts every version has
+    if with_baseline:
         paths["baseline"] = lambda op=getattr(baseline, ENTRY_POINTS[layout]): op(*args)
     checks = {"triton": reference}  # each version's kernels against its own torch reference, bit for bit
-    if baseline is not None:
+    if with_baseline:
         checks["baseline"] = getattr(baseline, ENTRY_POINTS[layout] + "_reference")
     for impl, its_reference in checks.items():
         if not all(map(bit_equal, paths[impl](), its_reference(*args))):
@@ -177,15 +197,18 @@ def main(argv=None) -> int:
     lines = ["| operand | layout | " + " | ".join(f"{i} ms" for i in impls) + " | triton GB/s | "
              + " | ".join(f"{i} / copy" for i in impls if i != "copy") + " |",
              "|---|---|" + "---:|" * (2 * len(impls))]  # fmt: skip
-    for (operand, layout), case in list(by_case.items()) + [(("all of the above", ""), None)]:
+    complete = [c for c in by_case.values() if all(i in c for i in impls)]  # a baseline lacks the newer layouts
+    total_label = "all of the above" if len(complete) == len(by_case) else "all with a baseline row"
+    for (operand, layout), case in list(by_case.items()) + [((total_label, ""), None)]:
         if case is None:  # totals
-            case = {i: dict(ms=sum(c[i]["ms"] for c in by_case.values())) for i in impls}
+            case = {i: dict(ms=sum(c[i]["ms"] for c in complete)) for i in impls}
             for i in impls:
                 case[i]["of_copy"] = case["copy"]["ms"] / case[i]["ms"]
             case["triton"]["gb_per_s"] = float("nan")
-        lines.append(f"| {operand} | {layout} | " + " | ".join(f"{case[i]['ms']:.3f}" for i in impls)
-                     + f" | {case['triton']['gb_per_s']:.0f} | "
-                     + " | ".join(f"{case[i]['of_copy']:.0%}" for i in impls if i != "copy") + " |")  # fmt: skip
+        ms = [f"{case[i]['ms']:.3f}" if i in case else "-" for i in impls]
+        shares = [f"{case[i]['of_copy']:.0%}" if i in case else "-" for i in impls if i != "copy"]
+        lines.append(f"| {operand} | {layout} | " + " | ".join(ms) + f" | {case['triton']['gb_per_s']:.0f} | "
+                     + " | ".join(shares) + " |")  # fmt: skip
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines += ["", f"device: {device_name}, torch {torch.__version__}; GB/s on one bf16 read and one fp8 write"]
     write_csv_and_markdown(stem, FIELDS, rows, lines)
