@@ -29,6 +29,7 @@ import torch
 if not torch.cuda.is_available():  # --tiny: Triton's CPU interpreter, switched on before any kernel module
     os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
 from cuda_timing import event_times_ms  # noqa: E402
+from liger_dspine.ops.fp8_quantize import column_amax_reference  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_columns  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_columns_reference  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_group_columns  # noqa: E402
@@ -70,10 +71,6 @@ TINY_OPERANDS = [
 ]
 
 
-def _column_amax_reference(x: torch.Tensor) -> torch.Tensor:
-    return x.float().abs().amax(dim=-2).view(torch.int32)
-
-
 # per layout: (the op, its torch reference, the op's arguments beyond x); "rows + column amax" is the forward's rows
 # pass over a stack of expert weights that also finds each expert's column amax, "columns, amax given" the
 # backward's column pass that takes it (its amax pass skipped)
@@ -83,10 +80,10 @@ OPS = {
     "group columns": (quantize_group_columns, quantize_group_columns_reference, lambda x: ()),
     "rows + column amax": (
         lambda x: quantize_rowwise(x, with_column_amax=True),
-        lambda x: (*quantize_rowwise_reference(x), _column_amax_reference(x)),
+        lambda x: (*quantize_rowwise_reference(x), column_amax_reference(x)),
         lambda x: (),
     ),
-    "columns, amax given": (quantize_columns, quantize_columns_reference, lambda x: (_column_amax_reference(x),)),
+    "columns, amax given": (quantize_columns, quantize_columns_reference, lambda x: (column_amax_reference(x),)),
 }
 
 

@@ -10,6 +10,7 @@ from liger_dspine.modules.config_reading import runs_plain_linear
 from liger_dspine.modules.parallel_state import call_through_hooks
 from liger_dspine.modules.parallel_state import gathered_by_hooks
 from liger_dspine.modules.parallel_state import is_dtensor
+from liger_dspine.ops.fp8_linear import check_multiple_of_16
 from liger_dspine.ops.fp8_linear import fp8_linear
 
 
@@ -37,7 +38,7 @@ def check_fp8_linears(owner: str, module: nn.Module, names: tuple[str, ...]) -> 
     """At patch time, a ValueError for what ``fp8=True`` cannot run among ``module``'s projections ``names`` (those it
     has): a bias, or a dim that is not a multiple of 16 (the FP8 GEMMs' requirement), named with its projection; so
     that the patch refuses the model before changing it, not at its first forward."""
-    bad = {}
+    dims = {}
     for name in names:
         linear = getattr(module, name, None)
         if not isinstance(linear, nn.Linear):
@@ -46,13 +47,8 @@ def check_fp8_linears(owner: str, module: nn.Module, names: tuple[str, ...]) -> 
             raise ValueError(
                 f"liger-dspine: fp8=True has no projection biases; this {owner}'s {name} has one: pass fp8=False"
             )
-        bad.update({f"{name}.{dim}": getattr(linear, dim) for dim in ("in_features", "out_features")})
-    bad = {name: size for name, size in bad.items() if size % 16}
-    if bad:
-        raise ValueError(
-            f"liger-dspine: fp8=True needs every dim of an FP8 GEMM to be a multiple of 16; this {owner} has {bad}: "
-            "pass fp8=False"
-        )
+        dims.update({f"{name}.{dim}": getattr(linear, dim) for dim in ("in_features", "out_features")})
+    check_multiple_of_16(f"fp8=True on this {owner}", "pass fp8=False", **dims)
 
 
 def call_as_fp8_projection(linear: nn.Module, name: str, function, *args):

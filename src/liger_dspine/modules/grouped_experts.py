@@ -14,6 +14,7 @@ from liger_dspine.modules.parallel_state import full_shape
 from liger_dspine.modules.parallel_state import is_dtensor
 from liger_dspine.modules.parallel_state import local_tensor
 from liger_dspine.modules.parallel_state import rebind_expert_forward
+from liger_dspine.ops.fp8_linear import check_multiple_of_16
 from liger_dspine.ops.grouped_experts import liger_grouped_experts
 
 
@@ -152,9 +153,5 @@ class LigerFP8GroupedExperts(LigerGroupedExperts):
         """Also a ValueError when the hidden or the expert width is not a multiple of 16 (the FP8 grouped GEMMs)."""
         super().check_convertible(module)
         _, two_intermediate, hidden = full_shape(local_tensor(module.gate_up_proj))
-        bad = {name: size for name, size in (("hidden", hidden), ("expert width", two_intermediate // 2)) if size % 16}
-        if bad:
-            raise ValueError(
-                f"liger-dspine: fp8=True needs the experts' hidden and expert widths to be multiples of 16; these "
-                f"experts have {bad}: pass fp8=False"
-            )
+        dims = {"hidden": hidden, "expert width": two_intermediate // 2}
+        check_multiple_of_16("fp8=True on these experts", "pass fp8=False", **dims)

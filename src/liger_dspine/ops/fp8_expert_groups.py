@@ -31,6 +31,7 @@ from liger_dspine.ops.fp8_linear import check_multiple_of_16
 from liger_dspine.ops.fp8_quantize import quantize_columns
 from liger_dspine.ops.fp8_quantize import quantize_group_columns
 from liger_dspine.ops.fp8_quantize import quantize_rowwise
+from liger_dspine.ops.fp8_quantize import quantize_rowwise_keeping_amax
 
 FP8_EXPERTS_OPS = (
     "liger_dspine::fp8_quantize_rows",
@@ -59,13 +60,16 @@ def _per_column(weights: torch.Tensor, amax: torch.Tensor | None = None, keep_am
     finds each row's largest |weights[e, k', :]| ([E, K'] int32 fp32 bits; None for other layouts and without
     ``keep_amax``): the ``amax`` that the column quantiser of a row-major [E, K', N] (K' a multiple of 16: no
     padding) takes for the same values, in the backward, instead of a pass of its own."""
-    experts, inner, outer = weights.shape
-    rows = weights.transpose(1, 2)
-    if rows.is_contiguous():
-        q, scale, *kept = quantize_rowwise(rows, with_column_amax=keep_amax)
-        return q, scale, kept[0] if kept else None
+    if quantised_rowwise(weights):
+        return quantize_rowwise_keeping_amax(weights.transpose(1, 2), keep_amax)
     q, scale = quantize_columns(weights, amax)  # finds its own amax when none is given
     return q, scale, None
+
+
+def quantised_rowwise(weights: torch.Tensor) -> bool:
+    """Whether :func:`_per_column` quantises ``weights`` [E, K', N] as the rows of its transpose (a row-major
+    [E, N, K']), which also gives the amax the backward takes."""
+    return weights.transpose(1, 2).is_contiguous()
 
 
 class FP8ExpertGroups:

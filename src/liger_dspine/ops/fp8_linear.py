@@ -25,7 +25,7 @@ import torch
 from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.fp8_quantize import quantize_columns
-from liger_dspine.ops.fp8_quantize import quantize_rowwise
+from liger_dspine.ops.fp8_quantize import quantize_rowwise_keeping_amax
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 
 _FP8_CAPABILITY = (8, 9)
@@ -45,10 +45,14 @@ def check_fp8_device(device: torch.device, what: str, capabilities=None) -> None
         )
 
 
-def check_multiple_of_16(what: str, **dims: int) -> None:
+def check_multiple_of_16(what: str, hint: str = "", **dims: int) -> None:
+    """A ValueError naming the ``dims`` (name: size) that are not multiples of 16, then ``hint`` (what to do)."""
     bad = {name: size for name, size in dims.items() if size % 16}
     if bad:
-        raise ValueError(f"liger-dspine: {what} needs these dims to be multiples of 16 (FP8 GEMMs), got {bad}")
+        raise ValueError(
+            f"liger-dspine: {what} needs these dims to be multiples of 16 (FP8 GEMMs), got {bad}"
+            + (hint and f": {hint}")
+        )
 
 
 def reference_scaled_mm(a, scale_a, b, scale_b, out_dtype):
@@ -80,18 +84,12 @@ def _(a, scale_a, b, scale_b, out_dtype):
     return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
 
 
-def _rows(x: torch.Tensor, with_column_amax: bool):
-    """(q, scale, column amax or None) of :func:`quantize_rowwise`."""
-    q, scale, *column_amax = quantize_rowwise(x, with_column_amax=with_column_amax)
-    return q, scale, column_amax[0] if column_amax else None
-
-
 def fp8_mm(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, amax_x: bool = False, amax_w: bool = False):
     """x [T, K] @ weight [N, K].T -> [T, N] in ``dtype``: x per token, weight per out-feature, both over K. With
     ``amax_x`` / ``amax_w`` also the column amax of x / weight ([K] int32 fp32 bits, else None), found in the same
     passes, for the backward's column quantisers: (out, amax of x, amax of weight)."""
-    q_x, scale_x, column_amax_x = _rows(x, amax_x)
-    q_w, scale_w, column_amax_w = _rows(weight, amax_w)
+    q_x, scale_x, column_amax_x = quantize_rowwise_keeping_amax(x, amax_x)
+    q_w, scale_w, column_amax_w = quantize_rowwise_keeping_amax(weight, amax_w)
     return _scaled_mm(q_x, scale_x, q_w, scale_w, dtype), column_amax_x, column_amax_w
 
 
@@ -99,7 +97,7 @@ def fp8_mm_grad_input(grad_out, weight, dtype, amax_w=None, amax_g: bool = False
     """grad_out [T, N] @ weight [N, K] -> [T, K] in ``dtype``: grad_out per token, weight per in-feature, over N.
     ``amax_w``: the weight's column amax from the forward. With ``amax_g`` also grad_out's column amax (for
     :func:`fp8_mm_grad_weight`): (grad_input, amax of grad_out or None)."""
-    q_g, scale_g, column_amax_g = _rows(grad_out, amax_g)
+    q_g, scale_g, column_amax_g = quantize_rowwise_keeping_amax(grad_out, amax_g)
     q_wt, scale_wt = quantize_columns(weight, amax_w)  # [K, N]
     return _scaled_mm(q_g, scale_g, q_wt, scale_wt, dtype), column_amax_g
 

@@ -349,7 +349,7 @@ def _quantize_rows(x: torch.Tensor, with_column_amax: bool = False) -> tuple[tor
     largest |x| over its M rows) with_column_amax, else empty."""
     if not _use_kernel(x):
         q, scale = quantize_rowwise_reference(x)
-        return q, scale, _column_amax_reference(x) if with_column_amax else _no_amax(x)
+        return q, scale, column_amax_reference(x) if with_column_amax else _no_amax(x)
     *batch_shape, rows, cols = x.shape
     x3 = x if x.dim() == 3 else x.unsqueeze(0)  # any row stride: the last dim is contiguous
     batches = x3.shape[0]
@@ -390,7 +390,7 @@ def _no_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int32, device=x.device)
 
 
-def _column_amax_reference(x: torch.Tensor) -> torch.Tensor:
+def column_amax_reference(x: torch.Tensor) -> torch.Tensor:
     """[..., M, C] -> [..., C] int32: the fp32 bits of each column's largest |x| (0 for no rows)."""
     if x.shape[-2] == 0:
         return torch.zeros(*x.shape[:-2], x.shape[-1], dtype=torch.int32, device=x.device)
@@ -476,6 +476,12 @@ def quantize_rowwise(x: torch.Tensor, with_column_amax: bool = False):
     _check(x, (2, 3), "FP8 rowwise quantisation")
     q, scale, column_amax = _quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), with_column_amax)
     return (q, scale, column_amax) if with_column_amax else (q, scale)
+
+
+def quantize_rowwise_keeping_amax(x: torch.Tensor, with_column_amax: bool):
+    """(q, scale, column amax or None): :func:`quantize_rowwise` with one return shape for either flag."""
+    q, scale, *column_amax = quantize_rowwise(x, with_column_amax=with_column_amax)
+    return q, scale, column_amax[0] if column_amax else None
 
 
 def quantize_columns(x: torch.Tensor, column_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,7 @@ from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.fp8_expert_groups import FP8_EXPERTS_OPS
 from liger_dspine.ops.fp8_expert_groups import FP8ExpertGroups
 from liger_dspine.ops.fp8_expert_groups import check_fp8_experts
+from liger_dspine.ops.fp8_expert_groups import quantised_rowwise
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows
 from liger_dspine.ops.silu_mul_rows import silu_mul_rows_backward
@@ -129,6 +130,10 @@ class ExpertGroups:
             if start < end:
                 torch.mm(rows[start:end], weights[expert], out=out[start:end])
         return out
+
+    def rows_mm_keeping_amax(self, rows: torch.Tensor, weights: torch.Tensor):
+        """(:meth:`rows_mm`, None): these GEMMs quantise nothing, so there is no amax to keep."""
+        return self.rows_mm(rows, weights), None
 
     def weight_grad(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         """[M, S] and [S, N] -> [E, M, N]: per group, the product over its rows (a weight gradient); zeros for an
@@ -343,19 +348,16 @@ def _grouped_experts(
 def _rows_mm(groups, rows: torch.Tensor, weights: torch.Tensor):
     """(groups.rows_mm(rows, weights), the weights' amax the backward takes: FP8 groups only, else empty, and empty
     where the weights' layout gives none)."""
-    amax = None
-    if isinstance(groups, FP8ExpertGroups):
-        out, amax = groups.rows_mm_keeping_amax(rows, weights)
-    else:
-        out = groups.rows_mm(rows, weights)
+    out, amax = groups.rows_mm_keeping_amax(rows, weights)
     return out, rows.new_empty(0, dtype=torch.int32) if amax is None else amax
 
 
 @_grouped_experts.register_fake
 def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, dtype, limit=None, fp8=False):
     outputs = _forward_outputs_fake(hidden_states, top_k_index, gate_up_proj, dtype)
-    # a weight's amax ([E, its last dim]) where FP8 quantises it rowwise in its own layout (row-major)
-    kept = [fp8 and w.to(dtype).is_contiguous() for w in (gate_up_proj, down_proj)]
+    # a weight's amax ([E, its last dim]) where FP8 quantises it rowwise in its own layout (the forward's operand is
+    # its transpose)
+    kept = [fp8 and quantised_rowwise(w.to(dtype).transpose(1, 2)) for w in (gate_up_proj, down_proj)]
     amax_shapes = [(w.shape[0], w.shape[2]) if keep else (0,) for w, keep in zip((gate_up_proj, down_proj), kept)]
     return (*outputs, *(torch.empty(shape, dtype=torch.int32, device=hidden_states.device) for shape in amax_shapes))
 
