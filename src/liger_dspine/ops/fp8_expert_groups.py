@@ -98,11 +98,13 @@ class FP8ExpertGroups:
         q_rows, scale_rows = quantize_rowwise(rows)
         return _grouped_rows_mm(q_rows, scale_rows, q_weights, scale_weights, self.offsets, rows.dtype), amax
 
-    def weight_grad(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        """[M, S] and [S, N] -> [E, M, N] in left's dtype: per group, the product over its rows; zeros for an expert
-        with no rows."""
-        if right.shape[0] == 0:
+    def weight_grad(self, left: torch.Tensor, right: torch.Tensor, right_rows: torch.Tensor | None = None):
+        """[M, S] and [S, N] (or ``right[right_rows]``, a gather freed once quantised) -> [E, M, N] in left's dtype:
+        per group, the product over its rows; zeros for an expert with no rows."""
+        if left.shape[1] == 0:
             return left.new_zeros(self.offsets.shape[0], left.shape[0], right.shape[1])
+        gathered = right if right_rows is None else right[right_rows]
+        q_right, scale_right, _ = quantize_group_columns(gathered, self.offsets)  # [N, Sp], [E, N]
+        del gathered
         q_left, scale_left, padded_offsets = quantize_group_columns(left.t(), self.offsets)  # [M, Sp], [E, M]
-        q_right, scale_right, _ = quantize_group_columns(right, self.offsets)  # [N, Sp], [E, N]
         return _grouped_weight_grad(q_left, scale_left, q_right, scale_right, padded_offsets, left.dtype)

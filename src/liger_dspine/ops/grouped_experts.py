@@ -135,9 +135,11 @@ class ExpertGroups:
         """(:meth:`rows_mm`, None): these GEMMs quantise nothing, so there is no amax to keep."""
         return self.rows_mm(rows, weights), None
 
-    def weight_grad(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        """[M, S] and [S, N] -> [E, M, N]: per group, the product over its rows (a weight gradient); zeros for an
-        expert with no rows."""
+    def weight_grad(self, left: torch.Tensor, right: torch.Tensor, right_rows: torch.Tensor | None = None):
+        """[M, S] and [S, N] (or ``right[right_rows]``) -> [E, M, N]: per group, the product over its rows (a weight
+        gradient); zeros for an expert with no rows."""
+        if right_rows is not None:
+            right = right[right_rows]
         if self.use_torch:
             out = torch_grouped_mm_function()(left, right, offs=self.offsets)
             if not _empty_groups_are_zeros(out.device):
@@ -415,10 +417,7 @@ def _backward(grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, p
 
         d_gate_up = silu_mul_backward(gate_up, g, weight_of_row, limit)  # [S, 2I], from d act = w * g
         del g
-        grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
-        del d_gate_up
-        if d_x_sorted is not None:
-            grad_x = summed_slots(d_x_sorted, slots, None, hidden_states.dtype)
+        grad_x, grad_gate_up = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row, slots)
     return grad_x, grad_weights, grad_gate_up, grad_down
 
 
@@ -493,25 +492,28 @@ def _fused_backward(ctx, saved, grad_out, weight_of_row, in_place):
     if need_weights:
         # d w[t, k] = <grad_out[t], down_proj[e] @ act> = <g, act>
         grad_weights = dots[row_of_slot].view(num_tokens, top_k).to(top_k_weights.dtype)
-    grad_gate_up, d_x_sorted = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row)
-    del d_gate_up
-    if d_x_sorted is not None:
-        grad_x = summed_slots(d_x_sorted, row_of_slot.view(num_tokens, top_k), None, hidden_states.dtype)
+    slots = row_of_slot.view(num_tokens, top_k)
+    grad_x, grad_gate_up = _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row, slots)
     return grad_x, grad_weights, grad_gate_up, grad_down
 
 
-def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row):
-    """From d gate_up [S, 2I]: (d gate_up_proj, d of the sorted inputs [S, H]), each None when not needed."""
+def _grads_through_gate_up(ctx, d_gate_up, hidden_states, gate_up_proj, token_of_row, slots):
+    """From d gate_up [S, 2I]: (d hidden_states [T, H], d gate_up_proj), each None when not needed.
+
+    The input gradient comes first and is summed over each token's slots before the weight gradient's [E, 2I, H]
+    output is allocated: the [S, H] rows' gradient and (FP8) the transient e4m3 copy of gate_up_proj are gone by
+    then. The inputs are gathered again inside the weight gradient, so FP8 frees the bf16 gather once quantised."""
     need_x, need_gate_up = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
     groups, dtype = ctx.groups, ctx.gemm_dtype
-    grad_gate_up = d_x_sorted = None
-    if need_gate_up:
-        x_sorted = hidden_states.to(dtype)[token_of_row]  # [S, H], gathered again
-        grad_gate_up = groups.weight_grad(d_gate_up.t(), x_sorted).to(gate_up_proj.dtype)
-        del x_sorted
+    grad_x = grad_gate_up = None
     if need_x:
         d_x_sorted = groups.rows_mm(d_gate_up, gate_up_proj.to(dtype), ctx.amax_gate_up)  # [S, H]
-    return grad_gate_up, d_x_sorted
+        grad_x = summed_slots(d_x_sorted, slots, None, hidden_states.dtype)
+        del d_x_sorted
+    if need_gate_up:
+        grad_gate_up = groups.weight_grad(d_gate_up.t(), hidden_states.to(dtype), token_of_row)
+        grad_gate_up = grad_gate_up.to(gate_up_proj.dtype)
+    return grad_x, grad_gate_up
 
 
 def liger_grouped_experts(
