@@ -1,4 +1,4 @@
-"""Custom ops that skip torch's dispatcher when nothing needs it.
+"""Custom ops that skip torch's dispatcher when nothing needs it, and cost little when something does.
 
 Every kernel of this package is a ``torch.library`` custom op with a fake implementation, so that torch.compile,
 FakeTensorMode and export see one opaque op. In plain eager code that machinery only costs time: an op call goes
@@ -6,12 +6,18 @@ through the dispatcher, the op's autograd layer, a second dispatch and the outpu
 time per call on an H200 host, on top of the Triton launch. A model of two layers at 4096 tokens makes about 40 such
 calls a step, and such a step is bound by the host.
 
-:func:`liger_custom_op` registers the op as ``torch.library.custom_op`` does and returns a callable that runs the
-Python implementation directly when that is what the dispatcher would do anyway: not compiling, exporting or tracing
-(torch.jit.trace included), no TorchDispatchMode or torch-function mode active, no functorch transform, every tensor
-argument a plain tensor (or parameter), and no tensor argument needing a gradient under grad mode. Otherwise, and for
-every attribute (``register_fake``, ...), it is the custom op. The direct path bumps the version counter of each
-mutated argument, as the op would, so autograd still catches a saved tensor changed in place.
+:func:`liger_custom_op` defines the op with the schema ``torch.library.custom_op`` infers and returns a callable
+that runs the Python implementation directly when that is what the dispatcher would do anyway: not compiling,
+exporting or tracing (torch.jit.trace included), no TorchDispatchMode or torch-function mode active, no functorch
+transform, every tensor argument a plain tensor (or parameter), and no tensor argument needing a gradient under grad
+mode. The direct path bumps the version counter of each mutated argument, as the op would, so autograd still catches
+a saved tensor changed in place.
+
+Calls that do go through the dispatcher (a compiled graph calls every op that way) reach the implementation in one
+Python hop: it is the op's CompositeExplicitAutograd kernel, the Autograd key keeps torch's C++ fallback (these ops
+run inside autograd Functions, whose backward owns the gradient) and only an op that mutates an argument adds a
+Python ADInplaceOrView kernel, for the version bump. ``torch.library.custom_op`` adds an autograd Function, a second
+dispatch and checks around every call: about 15 us against 5 us per call on a CPU host.
 """
 
 import inspect
@@ -19,27 +25,53 @@ import inspect
 import torch
 from torch._C._functorch import peek_interpreter_stack
 
+from liger_dspine.ops.first_order import first_order_only
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+_LIBRARIES: dict[str, torch.library.Library] = {}
+REGISTERED_OPS: dict[str, "EagerDirectCustomOp"] = {}  # qualified name -> op, every op of liger_custom_op
 
 
 class EagerDirectCustomOp:
     """A ``torch.library`` custom op whose eager calls run its implementation directly (see the module)."""
 
-    def __init__(self, op, fn, mutates_args):
-        self._op = op
+    def __init__(self, qualname, op, fn, mutates_args, library):
+        self._qualname = qualname
+        self._op = op  # the OpOverload
         self._fn = fn
+        self._library = library
+        self._fake = None
         params = list(inspect.signature(fn).parameters)
         self._mutated = tuple((name, params.index(name)) for name in mutates_args)
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
-    def __getattr__(self, name):
-        return getattr(self._op, name)
+    def register_fake(self, fake):
+        """Register ``fake`` (same signature, outputs of the right shapes on the inputs' device) as the op's fake
+        implementation; usable as a decorator."""
+        torch.library.register_fake(self._qualname, fake, lib=self._library)
+        self._fake = fake
+        return fake
+
+    @property
+    def fake_impl(self):
+        """The registered fake implementation, or None."""
+        return self._fake
+
+    @property
+    def opoverload(self) -> torch._ops.OpOverload:
+        return self._op
 
     def __call__(self, *args, **kwargs):
         if not _direct_call_allowed(args, kwargs):
-            _check_not_partly_meta(getattr(self._op, "_qualname", self.__name__), args, kwargs)
+            _check_not_partly_meta(self._qualname, args, kwargs)
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                needing = [t for t in _tensors(args, kwargs) if t.requires_grad]
+                if needing:
+                    return self._call_without_gradient_formula(needing, args, kwargs)
             return self._op(*args, **kwargs)
         out = self._fn(*args, **kwargs)
         for name, index in self._mutated:
@@ -48,17 +80,79 @@ class EagerDirectCustomOp:
                 torch.autograd.graph.increment_version(mutated)
         return out
 
+    def _call_without_gradient_formula(self, needing, args, kwargs):
+        """The op on inputs that need a gradient, under grad mode: its outputs' backward raises (the op has no
+        formula of its own; its autograd Function owns the gradient), where torch's fallback would only warn."""
+        if self._mutated:
+            raise RuntimeError(
+                f"liger-dspine: {self._qualname} mutates its arguments and has no autograd formula: call it on "
+                "tensors that need no gradient, or under torch.no_grad()"
+            )
+        return _WithoutGradientFormula.apply(self._qualname, lambda: self._op(*args, **kwargs), *needing)
+
+
+class _WithoutGradientFormula(torch.autograd.Function):
+    """Runs ``call`` (which reads ``tensors``); a backward through its outputs raises."""
+
+    kernel_ops = ()  # the op it runs is the caller's
+
+    @staticmethod
+    def forward(ctx, qualname, call, *tensors):
+        ctx.qualname = qualname
+        return call()
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"liger-dspine: trying to backward through {ctx.qualname}, which has no autograd formula: call it "
+            "through its autograd Function"
+        )
+
 
 def liger_custom_op(name: str, *, mutates_args):
-    """``torch.library.custom_op(name, mutates_args=...)`` whose eager calls skip the dispatcher (see the module)."""
+    """Define the op ``name`` ("namespace::op") from the decorated function's annotations, as
+    ``torch.library.custom_op(name, mutates_args=...)`` would, with the cheaper registration and the eager direct
+    path of the module docstring."""
     if isinstance(mutates_args, str):
         raise ValueError(f"liger-dspine: {name} must name the arguments it mutates (got {mutates_args!r})")
+    namespace, _, opname = name.partition("::")
+    if not namespace or not opname:
+        raise ValueError(f"liger-dspine: a custom op name is 'namespace::op', got {name!r}")
 
     def register(fn):
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
-        return EagerDirectCustomOp(op, fn, tuple(mutates_args))
+        library = _LIBRARIES.get(namespace)
+        if library is None:
+            library = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+        schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+        library.define(opname + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        library.impl(opname, fn, "CompositeExplicitAutograd")
+        op = getattr(getattr(torch.ops, namespace), opname).default
+        if mutates_args:
+            _register_version_bump(library, opname, op, fn, tuple(mutates_args))
+        wrapped = EagerDirectCustomOp(name, op, fn, tuple(mutates_args), library)
+        REGISTERED_OPS[name] = wrapped
+        return wrapped
 
     return register
+
+
+def _register_version_bump(library, opname, op, fn, mutates_args) -> None:
+    """An ADInplaceOrView kernel that bumps the version counters of the mutated arguments, then goes on to the
+    implementation (what autograd's in-place checks read)."""
+    params = list(inspect.signature(fn).parameters)
+    positions = tuple((name, params.index(name)) for name in mutates_args)
+    below = torch._C._after_ADInplaceOrView_keyset
+
+    def bump_then_run(keyset, *args, **kwargs):
+        for name, index in positions:
+            mutated = kwargs.get(name) if index >= len(args) else args[index]
+            if mutated is not None:
+                torch.autograd.graph.increment_version(mutated)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op.redispatch(keyset & below, *args, **kwargs)
+
+    library.impl(opname, bump_then_run, "ADInplaceOrView", with_keyset=True)
 
 
 def _direct_call_allowed(args, kwargs) -> bool:
