@@ -207,7 +207,10 @@ def _causal_lm_forward(
 
     loss = logits = token_accuracy = None
     if has_labels:
-        labels_checked()
+        if shift_labels is None:
+            labels = labels_checked()
+        else:
+            shift_labels = labels_checked()
         targets = _shifted_targets(labels, shift_labels, hidden_states, ignore_index)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"), ignore_index)
     if skip_logits:

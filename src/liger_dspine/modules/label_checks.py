@@ -7,9 +7,11 @@ is one, so its value does not matter, as in transformers' loss; for ``shift_labe
 
 On a GPU the range of the labels is reduced and copied to the host asynchronously before the decoder runs, and read
 after the decoder's kernels are queued, just before the loss: the host then waits only for that small reduction,
-queued ahead of the decoder, so the GPU's queue is never drained by the check. Under torch.compile the check is an
-opaque op returning a copy of the labels (which the loss then reads, so the check stays in the graph) instead of a
-graph break.
+queued ahead of the decoder, so the GPU's queue is never drained by the check. Under torch.compile the same two
+halves are two opaque ops: the first returns the bounds in host memory (copied without waiting), the second waits
+for that copy, checks and returns a copy of the labels, which the loss then reads, so the check stays in the graph
+without a graph break and without draining the queue (a single op would have waited for the whole queue at the
+start of the step).
 """
 
 import torch
@@ -18,28 +20,35 @@ IGNORE_INDEX = -100
 
 
 def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX, shifted: bool = True):
-    """``(labels, finish)``: call ``finish()`` before any kernel reads the labels; it raises what
-    :func:`check_label_range` raises. ``shifted=False``: ``labels`` is shifted by the loss, so its first position of
-    each row is left out of the check. On a CUDA device the check is read in ``finish``; elsewhere it runs here."""
+    """``(labels, finish)``: call ``finish()`` before any kernel reads the labels and read the labels it returns; it
+    raises what :func:`check_label_range` raises. ``shifted=False``: ``labels`` is shifted by the loss, so its first
+    position of each row is left out of the check. On a CUDA device the check is read in ``finish``; elsewhere it
+    runs here."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"liger-dspine: labels must be a tensor of token ids, got {type(labels).__name__}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise TypeError(f"liger-dspine: labels must be a tensor of integer token ids, got {labels.dtype}")
     if torch.compiler.is_compiling():
-        return _checked_labels_op(labels, vocab_size, ignore_index, shifted), _nothing
+        if labels.is_cuda:
+            bounds = _label_bounds_to_host_op(labels, ignore_index, shifted)
+            return labels, lambda: _finish_label_check_op(labels, bounds, vocab_size, ignore_index, shifted)
+        checked = _checked_labels_op(labels, vocab_size, ignore_index, shifted)
+        return checked, lambda: checked
     targets = _targets_of(labels, shifted)
     if targets.is_cuda and targets.numel():
-        return labels, _start_label_range_check(targets, vocab_size, ignore_index)
+        wait_and_check = _start_label_range_check(targets, vocab_size, ignore_index)
+
+        def finish() -> torch.Tensor:
+            wait_and_check()
+            return labels
+
+        return labels, finish
     check_label_range(targets, vocab_size, ignore_index)
-    return labels, _nothing
+    return labels, lambda: labels
 
 
 def _targets_of(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
     return labels if shifted or labels.dim() == 0 else labels[..., 1:]
-
-
-def _nothing() -> None:
-    return None
 
 
 def _start_label_range_check(labels: torch.Tensor, vocab_size: int, ignore_index: int):
@@ -59,6 +68,57 @@ def _start_label_range_check(labels: torch.Tensor, vocab_size: int, ignore_index
             _raise_label_range_error(labels, vocab_size, ignore_index)
 
     return finish
+
+
+_COPIES_IN_FLIGHT: dict[int, torch.cuda.Event] = {}  # host address of the bounds -> the event after their copy
+
+
+@torch.library.custom_op("liger_dspine::label_bounds_to_host", mutates_args=())
+def _label_bounds_to_host_op(labels: torch.Tensor, ignore_index: int, shifted: bool) -> torch.Tensor:
+    """[2] int64 in host memory (pinned for a CUDA ``labels``): the smallest and largest target that is not
+    ``ignore_index``, copied without waiting; :func:`_finish_label_check_op` waits for the copy."""
+    targets = _targets_of(labels, shifted)
+    if not targets.is_cuda:
+        bounds = _label_bounds(targets, ignore_index) if targets.numel() else torch.zeros(2, dtype=torch.int64)
+        return bounds.to(torch.int64).cpu()
+    on_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    with torch.cuda.device(labels.device):
+        if targets.numel():
+            on_host.copy_(_label_bounds(targets, ignore_index).to(torch.int64), non_blocking=True)
+        else:
+            on_host.zero_()
+        copied = torch.cuda.Event()
+        copied.record()
+    _COPIES_IN_FLIGHT[on_host.data_ptr()] = copied
+    return on_host
+
+
+@_label_bounds_to_host_op.register_fake
+def _(labels, ignore_index, shifted):
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("liger_dspine::finish_label_check", mutates_args=())
+def _finish_label_check_op(
+    labels: torch.Tensor, bounds: torch.Tensor, vocab_size: int, ignore_index: int, shifted: bool
+) -> torch.Tensor:
+    """A copy of ``labels`` once the bounds from :func:`_label_bounds_to_host_op` are known to lie in
+    ``[0, vocab_size)``; a ValueError otherwise. Bounds whose copy it cannot find waiting are found again here."""
+    copied = _COPIES_IN_FLIGHT.pop(bounds.data_ptr(), None)
+    targets = _targets_of(labels, shifted)
+    if copied is not None:
+        copied.synchronize()
+        low, high = bounds.tolist()
+        if targets.numel() and not (low >= 0 and high < vocab_size):
+            _raise_label_range_error(targets, vocab_size, ignore_index)
+    else:
+        check_label_range(targets, vocab_size, ignore_index)
+    return labels.clone()
+
+
+@_finish_label_check_op.register_fake
+def _(labels, bounds, vocab_size, ignore_index, shifted):
+    return torch.empty_like(labels)
 
 
 @torch.library.custom_op("liger_dspine::checked_labels", mutates_args=())

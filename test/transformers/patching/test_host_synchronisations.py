@@ -59,6 +59,26 @@ def test_the_label_check_never_synchronises():
         finish()
 
 
+def test_the_compiled_label_check_never_synchronises():
+    """Under torch.compile the check is two ops (the bounds copied to the host, then the wait for that copy): the
+    compiled check waits on its event only, and still refuses a bad label."""
+
+    def check(labels):
+        _, finish = label_checks.checked_labels(labels, 50)
+        return finish() + 0
+
+    compiled = torch.compile(check, fullgraph=True)
+    labels = torch.randint(0, 50, (2, 64), device="cuda")
+    labels[:, ::5] = -100
+    torch.testing.assert_close(compiled(labels), labels)  # compiles
+    with no_host_synchronisation():
+        out = compiled(labels)
+    torch.testing.assert_close(out, labels)
+    labels[1, 7] = 50
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 50\).*1 label\(s\) are outside"):
+        compiled(labels)
+
+
 def test_fused_loss_gradients_equal_liger_kernels_function():
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
