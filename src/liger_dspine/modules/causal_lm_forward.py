@@ -208,9 +208,9 @@ def _causal_lm_forward(
     loss = logits = token_accuracy = None
     if has_labels:
         if shift_labels is None:
-            labels = labels_checked()
+            labels = labels_checked(hidden_states)
         else:
-            shift_labels = labels_checked()
+            shift_labels = labels_checked(hidden_states)
         targets = _shifted_targets(labels, shift_labels, hidden_states, ignore_index)
         divisor = _loss_divisor(targets, kwargs.get("num_items_in_batch"), ignore_index)
     if skip_logits:

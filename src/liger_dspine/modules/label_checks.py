@@ -20,10 +20,11 @@ IGNORE_INDEX = -100
 
 
 def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX, shifted: bool = True):
-    """``(labels, finish)``: call ``finish()`` before any kernel reads the labels and read the labels it returns; it
-    raises what :func:`check_label_range` raises. ``shifted=False``: ``labels`` is shifted by the loss, so its first
-    position of each row is left out of the check. On a CUDA device the check is read in ``finish``; elsewhere it
-    runs here."""
+    """``(labels, finish)``: call ``finish(after)`` before any kernel reads the labels and read the labels it
+    returns; it raises what :func:`check_label_range` raises. ``after``: a tensor the loss reads, made after the
+    decoder's kernels (a compiled graph does not wait for the check before it). ``shifted=False``: ``labels`` is
+    shifted by the loss, so its first position of each row is left out of the check. On a CUDA device the check is
+    read in ``finish``; elsewhere it runs here."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"liger-dspine: labels must be a tensor of token ids, got {type(labels).__name__}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
@@ -31,20 +32,24 @@ def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = IG
     if torch.compiler.is_compiling():
         if labels.is_cuda:
             bounds = _label_bounds_to_host_op(labels, ignore_index, shifted)
-            return labels, lambda: _finish_label_check_op(labels, bounds, vocab_size, ignore_index, shifted)
+
+            def finish_in_graph(after: torch.Tensor) -> torch.Tensor:
+                return _finish_label_check_op(labels, bounds, after, vocab_size, ignore_index, shifted)
+
+            return labels, finish_in_graph
         checked = _checked_labels_op(labels, vocab_size, ignore_index, shifted)
-        return checked, lambda: checked
+        return checked, lambda after: checked
     targets = _targets_of(labels, shifted)
     if targets.is_cuda and targets.numel():
         wait_and_check = _start_label_range_check(targets, vocab_size, ignore_index)
 
-        def finish() -> torch.Tensor:
+        def finish(after: torch.Tensor) -> torch.Tensor:
             wait_and_check()
             return labels
 
         return labels, finish
     check_label_range(targets, vocab_size, ignore_index)
-    return labels, lambda: labels
+    return labels, lambda after: labels
 
 
 def _targets_of(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
@@ -100,10 +105,12 @@ def _(labels, ignore_index, shifted):
 
 @torch.library.custom_op("liger_dspine::finish_label_check", mutates_args=())
 def _finish_label_check_op(
-    labels: torch.Tensor, bounds: torch.Tensor, vocab_size: int, ignore_index: int, shifted: bool
+    labels: torch.Tensor, bounds: torch.Tensor, after: torch.Tensor, vocab_size: int, ignore_index: int, shifted: bool
 ) -> torch.Tensor:
     """A copy of ``labels`` once the bounds from :func:`_label_bounds_to_host_op` are known to lie in
-    ``[0, vocab_size)``; a ValueError otherwise. Bounds whose copy it cannot find waiting are found again here."""
+    ``[0, vocab_size)``; a ValueError otherwise. Bounds whose copy it cannot find waiting are found again here.
+    ``after`` is not read: as an input it keeps a compiled graph from waiting before ``after``'s kernels are queued
+    (inductor would schedule the op right after the bounds' copy, waiting for the whole queue at once)."""
     copied = _COPIES_IN_FLIGHT.pop(bounds.data_ptr(), None)
     targets = _targets_of(labels, shifted)
     if copied is not None:
@@ -117,7 +124,7 @@ def _finish_label_check_op(
 
 
 @_finish_label_check_op.register_fake
-def _(labels, bounds, vocab_size, ignore_index, shifted):
+def _(labels, bounds, after, vocab_size, ignore_index, shifted):
     return torch.empty_like(labels)
 
 

@@ -364,12 +364,12 @@ def test_the_label_check_ops_of_a_compiled_gpu_step_refuse_a_bad_label(shifted):
     labels = torch.tensor([[7, 3, -100, 9], [0, 9, 4, -100]])
     bounds = label_checks._label_bounds_to_host_op(labels, -100, shifted)
     assert bounds.tolist() == [0, 9]  # 0 stands in for the ignored labels
-    checked = label_checks._finish_label_check_op(labels, bounds, 10, -100, shifted)
+    checked = label_checks._finish_label_check_op(labels, bounds, labels, 10, -100, shifted)
     assert torch.equal(checked, labels) and checked.data_ptr() != labels.data_ptr()
     labels[0, 0] = 10  # a first position: a target only when not shifted by the loss
     bounds = label_checks._label_bounds_to_host_op(labels, -100, shifted)
     if shifted:
         with pytest.raises(ValueError, match=r"labels must be in \[0, 10\).*1 label\(s\) are outside, with values "):
-            label_checks._finish_label_check_op(labels, bounds, 10, -100, shifted)
+            label_checks._finish_label_check_op(labels, bounds, labels, 10, -100, shifted)
     else:
-        assert torch.equal(label_checks._finish_label_check_op(labels, bounds, 10, -100, shifted), labels)
+        assert torch.equal(label_checks._finish_label_check_op(labels, bounds, labels, 10, -100, shifted), labels)

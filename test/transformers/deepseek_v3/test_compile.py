@@ -107,3 +107,38 @@ def test_compiled_fused_loss_gives_the_same_gradient_on_a_second_backward(native
     (second,) = torch.autograd.grad(loss, weight)
     torch.testing.assert_close(second, first, atol=0, rtol=0)
     assert first.abs().sum() > 0
+
+
+def test_compiled_gpu_label_check_waits_after_the_decoder(monkeypatch):
+    """On a GPU the compiled step checks its labels in two ops (``modules/label_checks.py``): the bounds' copy to
+    the host first, the wait for it just before the loss, after the decoder's kernels are queued. Inductor orders
+    ops by their inputs alone, so the wait takes the loss's input as one; here (CPU) the GPU path is forced and the
+    generated code's order read."""
+    from torch._inductor.utils import run_and_get_code
+
+    from liger_dspine.modules import causal_lm_forward
+    from liger_dspine.modules import label_checks
+
+    def gpu_path(labels, vocab_size, ignore_index=-100, shifted=True):
+        bounds = label_checks._label_bounds_to_host_op(labels, ignore_index, shifted)
+        return labels, lambda after: label_checks._finish_label_check_op(
+            labels, bounds, after, vocab_size, ignore_index, shifted
+        )
+
+    monkeypatch.setattr(causal_lm_forward, "checked_labels", gpu_path)
+    config = tiny_deepseek_v3_config(attn_implementation="sdpa")  # here inductor moved a free-standing wait up
+    input_ids, _ = random_batch(config, batch=1, seq=16, seed=3)
+    labels = input_ids
+    model = build_model(config).train()
+    apply_liger_kernel_to_deepseek_v3(model=model)
+    eager, _ = loss_and_grads(model, input_ids, labels=labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor")
+    out, codes = run_and_get_code(lambda: compiled(input_ids, labels=labels))
+    torch.testing.assert_close(out.loss, eager.loss, atol=1e-5, rtol=1e-5)
+    forward = next(code for code in codes if "label_bounds_to_host" in code)
+    order = [forward.index(f"torch.ops.liger_dspine.{op}.default") for op in ("label_bounds_to_host", "rms_norm")]
+    wait = forward.index("torch.ops.liger_dspine.finish_label_check.default")
+    last_norm = forward.rindex("torch.ops.liger_dspine.rms_norm.default")
+    loss = forward.index("torch.ops.liger_dspine.fused_linear_cross_entropy.default")
+    assert order[0] < order[1] < last_norm < wait < loss

@@ -218,7 +218,7 @@ def case_checked_labels():
 def case_label_check_in_two_ops():
     labels = randint(16, 2, 5)
     bounds = label_checks._label_bounds_to_host_op(labels, -100, False)
-    return label_checks._finish_label_check_op(labels, bounds, 16, -100, False), []
+    return label_checks._finish_label_check_op(labels, bounds, randn(2, 3), 16, -100, False), []
 
 
 def frozen_head_inputs():

@@ -51,12 +51,12 @@ def test_the_label_check_never_synchronises():
     labels[:, ::5] = -100
     with no_host_synchronisation():
         checked, finish = label_checks.checked_labels(labels, 50)
-        finish()
+        assert finish(labels) is labels
     assert checked is labels
     labels[1, 7] = 50
     checked, finish = label_checks.checked_labels(labels, 50)
     with pytest.raises(ValueError, match=r"labels must be in \[0, 50\).*1 label\(s\) are outside"):
-        finish()
+        finish(labels)
 
 
 def test_the_compiled_label_check_never_synchronises():
@@ -65,7 +65,7 @@ def test_the_compiled_label_check_never_synchronises():
 
     def check(labels):
         _, finish = label_checks.checked_labels(labels, 50)
-        return finish() + 0
+        return finish(labels * 2) + 0
 
     compiled = torch.compile(check, fullgraph=True)
     labels = torch.randint(0, 50, (2, 64), device="cuda")
