@@ -59,20 +59,30 @@ def _targets_of(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
 def _start_label_range_check(labels: torch.Tensor, vocab_size: int, ignore_index: int):
     """Queue the reduction of the labels' range and its copy to pinned host memory; return the function that waits
     for that copy (not for the work queued after it) and raises as :func:`check_label_range` does."""
+    on_host, copied = _copy_bounds_to_host(labels, ignore_index)
+    return lambda: _check_copied_bounds(on_host, copied, labels, vocab_size, ignore_index)
+
+
+def _copy_bounds_to_host(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """(bounds, event): CUDA ``labels``' :func:`_label_bounds` ([2] int64, zeros for no labels) being copied to
+    pinned host memory without waiting, and the event recorded after the copy."""
     with torch.cuda.device(labels.device):
-        bounds = _label_bounds(labels, ignore_index)
-        on_host = torch.empty(2, dtype=bounds.dtype, pin_memory=True)
-        on_host.copy_(bounds, non_blocking=True)
+        on_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        if labels.numel():
+            on_host.copy_(_label_bounds(labels, ignore_index).to(torch.int64), non_blocking=True)
+        else:
+            on_host.zero_()
         copied = torch.cuda.Event()
         copied.record()
+    return on_host, copied
 
-    def finish() -> None:
-        copied.synchronize()
-        low, high = on_host.tolist()
-        if not (low >= 0 and high < vocab_size):
-            _raise_label_range_error(labels, vocab_size, ignore_index)
 
-    return finish
+def _check_copied_bounds(on_host, copied, labels, vocab_size: int, ignore_index: int) -> None:
+    """Wait for the copy of :func:`_copy_bounds_to_host` and raise as :func:`check_label_range` does."""
+    copied.synchronize()
+    low, high = on_host.tolist()
+    if labels.numel() and not (low >= 0 and high < vocab_size):
+        _raise_label_range_error(labels, vocab_size, ignore_index)
 
 
 _COPIES_IN_FLIGHT: dict[int, torch.cuda.Event] = {}  # host address of the bounds -> the event after their copy
@@ -86,14 +96,7 @@ def _label_bounds_to_host_op(labels: torch.Tensor, ignore_index: int, shifted: b
     if not targets.is_cuda:
         bounds = _label_bounds(targets, ignore_index) if targets.numel() else torch.zeros(2, dtype=torch.int64)
         return bounds.to(torch.int64).cpu()
-    on_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    with torch.cuda.device(labels.device):
-        if targets.numel():
-            on_host.copy_(_label_bounds(targets, ignore_index).to(torch.int64), non_blocking=True)
-        else:
-            on_host.zero_()
-        copied = torch.cuda.Event()
-        copied.record()
+    on_host, copied = _copy_bounds_to_host(targets, ignore_index)
     _COPIES_IN_FLIGHT[on_host.data_ptr()] = copied
     return on_host
 
@@ -114,10 +117,7 @@ def _finish_label_check_op(
     copied = _COPIES_IN_FLIGHT.pop(bounds.data_ptr(), None)
     targets = _targets_of(labels, shifted)
     if copied is not None:
-        copied.synchronize()
-        low, high = bounds.tolist()
-        if targets.numel() and not (low >= 0 and high < vocab_size):
-            _raise_label_range_error(targets, vocab_size, ignore_index)
+        _check_copied_bounds(bounds, copied, targets, vocab_size, ignore_index)
     else:
         check_label_range(targets, vocab_size, ignore_index)
     return labels.clone()

@@ -43,8 +43,7 @@ class EagerDirectCustomOp:
         self._fn = fn
         self._library = library
         self._fake = None
-        params = list(inspect.signature(fn).parameters)
-        self._mutated = tuple((name, params.index(name)) for name in mutates_args)
+        self._mutated = _mutated_positions(fn, mutates_args)
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -74,10 +73,7 @@ class EagerDirectCustomOp:
                     return self._call_without_gradient_formula(needing, args, kwargs)
             return self._op(*args, **kwargs)
         out = self._fn(*args, **kwargs)
-        for name, index in self._mutated:
-            mutated = kwargs[name] if name in kwargs else args[index]
-            if mutated is not None:
-                torch.autograd.graph.increment_version(mutated)
+        _bump_versions(self._mutated, args, kwargs)
         return out
 
     def _call_without_gradient_formula(self, needing, args, kwargs):
@@ -140,19 +136,29 @@ def liger_custom_op(name: str, *, mutates_args):
 def _register_version_bump(library, opname, op, fn, mutates_args) -> None:
     """An ADInplaceOrView kernel that bumps the version counters of the mutated arguments, then goes on to the
     implementation (what autograd's in-place checks read)."""
-    params = list(inspect.signature(fn).parameters)
-    positions = tuple((name, params.index(name)) for name in mutates_args)
+    positions = _mutated_positions(fn, mutates_args)
     below = torch._C._after_ADInplaceOrView_keyset
 
     def bump_then_run(keyset, *args, **kwargs):
-        for name, index in positions:
-            mutated = kwargs.get(name) if index >= len(args) else args[index]
-            if mutated is not None:
-                torch.autograd.graph.increment_version(mutated)
+        _bump_versions(positions, args, kwargs)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return op.redispatch(keyset & below, *args, **kwargs)
 
     library.impl(opname, bump_then_run, "ADInplaceOrView", with_keyset=True)
+
+
+def _mutated_positions(fn, mutates_args) -> tuple[tuple[str, int], ...]:
+    """(name, position) of each argument of ``fn`` named in ``mutates_args``."""
+    params = list(inspect.signature(fn).parameters)
+    return tuple((name, params.index(name)) for name in mutates_args)
+
+
+def _bump_versions(positions, args, kwargs) -> None:
+    """Bump the version counter of each mutated argument passed (by keyword or by position), as an in-place op does."""
+    for name, index in positions:
+        mutated = kwargs[name] if name in kwargs else args[index] if index < len(args) else None
+        if mutated is not None:
+            torch.autograd.graph.increment_version(mutated)
 
 
 def _direct_call_allowed(args, kwargs) -> bool:
