@@ -13,6 +13,7 @@ a 2-layer model of DeepSeek-V3's widths.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -148,8 +149,12 @@ def main(argv=None):
         }  # fmt: skip
         with open(os.path.join(args.out, f"{args.engine}_{args.impl}.json"), "w") as f:
             json.dump(result, f)
-        print(json.dumps({k: v for k, v in result.items() if k != "losses"}), "final loss", losses[-1])
-    dist.barrier()  # every rank done with its collectives before the groups go (gloo aborts a rank torn down early)
+        print(json.dumps({k: v for k, v in result.items() if k != "losses"}), "final loss", losses[-1], flush=True)
+    # Gloo's worker threads can hold finished work (with its tensors) of the engines' subgroups; a rank that frees
+    # them during interpreter shutdown aborts. Free them now, and tear the groups down only once every rank is here.
+    del model, optimizer, out
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
