@@ -11,6 +11,11 @@ on the same weights and batch, and reports how far its first compiled step's los
 (loss_diff = |compiled - eager|, grad_rel_diff = max |compiled - eager| / max |eager| over every parameter), and
 the graph breaks and graphs dynamo counted.
 
+The forward passes ``use_cache=False``, as ``Trainer`` sets it (``TrainingArguments.use_cache``); ``--use-cache``
+returns the cache instead. A compiled graph returns the cached latents as outputs of their own that get no gradient,
+and autograd fills a zero gradient for each (4.5 MiB per MLA layer at 4096 tokens in bf16), where eager's cache
+holds tensors of the loss's graph.
+
 Writes <out-dir>/compile.csv and compile.png (compile_tiny.* with --tiny).
 
     python benchmark/bench_compile.py                 # H200
@@ -42,6 +47,7 @@ FIELDS = (
     "first_step_s",
     "graph_breaks",
     "graphs",
+    "use_cache",
     "loss",
     "loss_diff",
     "grad_rel_diff",
@@ -78,11 +84,13 @@ def child(args) -> dict:
 
     def step(forward):
         model.zero_grad(set_to_none=True)
-        loss = forward(ids, labels=ids).loss
+        loss = forward(ids, labels=ids, use_cache=args.use_cache).loss
         loss.backward()
         return loss.detach()
 
-    row = dict(model=args.model, impl=args.impl, mode=args.mode, layers=args.layers, seq=args.seq)
+    row = dict(
+        model=args.model, impl=args.impl, mode=args.mode, layers=args.layers, seq=args.seq, use_cache=args.use_cache
+    )
     forward = model
     if args.mode == "compiled":
         eager_loss = step(model).float()
@@ -135,7 +143,7 @@ def run_all(args) -> list[dict]:
     ]
     for model, impl, mode in configs:
         left = deadline - time.monotonic()
-        base = dict(model=model, impl=impl, mode=mode, layers=args.layers, seq=args.seq)
+        base = dict(model=model, impl=impl, mode=mode, layers=args.layers, seq=args.seq, use_cache=args.use_cache)
         if left < 30:
             rows.append(dict(base, status="skipped: out of time"))
             continue
@@ -157,7 +165,7 @@ def run_all(args) -> list[dict]:
 
 def child_flags(args) -> list[str]:
     flags = ["--layers", str(args.layers), "--seq", str(args.seq), "--steps", str(args.steps)]
-    return flags + (["--tiny"] if args.tiny else [])
+    return flags + (["--tiny"] if args.tiny else []) + (["--use-cache"] if args.use_cache else [])
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -204,6 +212,7 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=None, help="tokens per step (default 4096, 16 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3, 1 with --tiny)")
+    parser.add_argument("--use-cache", action="store_true", help="the forward returns the cache (default: no cache)")
     parser.add_argument("--budget-s", type=float, default=560)
     parser.add_argument("--out-dir", default=os.path.join(HERE, "data"))
     parser.add_argument("--name", default="compile", help="the output files' name (.csv, .png)")
