@@ -84,6 +84,24 @@ def test_compiled_patched_model_gives_the_eager_loss_and_grads_in_one_graph(nati
     assert_grads_close(grads, eager_grads, **TOLERANCE[backend])
 
 
+def test_compiled_fp8_patch_gives_the_eager_loss_and_grads_in_one_graph():
+    """fp8=True (the CPU reference GEMM on the quantised operands) under aot_eager: the eager FP8 step's numbers."""
+    config = tiny_deepseek_v3_config(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16)
+    input_ids, _ = random_batch(config, batch=1, seq=16, seed=1)
+    labels = labels_with_ignored(input_ids)
+    model = build_model(config).train()
+    apply_liger_kernel_to_deepseek_v3(model=model, fp8=True)
+    assert type(model.model.layers[0].self_attn).fp8 and type(model.model.layers[0].mlp).fp8
+    eager, eager_grads = loss_and_grads(model, input_ids, labels=labels)
+
+    out, grads, breaks, graphs = compiled_loss_and_grads(model, "aot_eager", input_ids, labels=labels)
+
+    assert (breaks, graphs) == (0, 1)
+    torch.testing.assert_close(out.loss, eager.loss, **TOLERANCE["aot_eager"])
+    assert grads.keys() == eager_grads.keys()
+    assert_grads_close(grads, eager_grads, **TOLERANCE["aot_eager"])
+
+
 def test_compiled_model_refuses_a_label_outside_the_vocabulary(native_model, batch, config):
     input_ids, labels = batch
     model = copy.deepcopy(native_model).train()
