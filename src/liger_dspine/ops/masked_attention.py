@@ -5,7 +5,8 @@ queries over 3072 context + 8192 draft keys) about 15% of the [Q, K] tiles hold 
 such a mask as an additive bias and compute every tile. Here the mask is first reduced to a tile map (which
 [BLOCK, BLOCK] tiles hold any visible pair, a list of them per query tile and per key tile, full tiles first), and
 the kernels visit only those tiles. A full tile (every pair visible: most of a block's context) is computed without
-reading the mask or bounds; a partial tile reads its part of the mask:
+reading the mask or bounds; a partial tile reads its part of the mask. The programs with the longest lists launch
+first, and the heads of one tile side by side (they read the same key or query tiles):
 
 - forward: per (query tile, head), an online softmax over the listed key tiles; out and a log-sum-exp per row;
 - dq: per (query tile, head), ``scale * sum_t p_t (dO.v_t - delta) k_t`` over the same tiles;
@@ -78,9 +79,11 @@ class AttentionTiles(NamedTuple):
     key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles
     key_counts: torch.Tensor  # int32 [B, Q / query]
     key_full: torch.Tensor  # int32 [B, Q / query]: how many of them are full
+    key_order: torch.Tensor  # int32 [B, Q / query]: the query tiles by descending count (forward / dq launch order)
     query_tiles: torch.Tensor  # int32 [B, K / dkv_key, Q / dkv_query]: per key tile, its visible query tiles
     query_counts: torch.Tensor  # int32 [B, K / dkv_key]
     query_full: torch.Tensor  # int32 [B, K / dkv_key]
+    query_order: torch.Tensor  # int32 [B, K / dkv_key]: the key tiles by descending count (dk / dv launch order)
 
 
 def _pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -97,13 +100,16 @@ def _block_sums(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return blocks.sum(dim=(2, 4), dtype=torch.int32)
 
 
-def _lists(counts: torch.Tensor, tile_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lists(counts: torch.Tensor, tile_pairs: int) -> tuple[torch.Tensor, ...]:
     """Visible pairs per tile [B, R, C] -> (the indices of the full tiles, then of the partial ones, each ascending,
-    then the rest, [B, R, C] int32; the counts of visible tiles [B, R]; of full tiles [B, R])."""
+    then the rest, [B, R, C] int32; the counts of visible tiles [B, R]; of full tiles [B, R]; the rows by descending
+    count [B, R] int32). Launched longest first, the short programs fill the last wave."""
     visible, full = counts > 0, counts == tile_pairs
     rank = (~visible).to(torch.uint8) + (~full).to(torch.uint8)  # 0 full, 1 partial, 2 not visible
     order = torch.sort(rank, dim=-1, stable=True).indices
-    return order.to(torch.int32), visible.sum(dim=-1, dtype=torch.int32), full.sum(dim=-1, dtype=torch.int32)
+    visible_counts = visible.sum(dim=-1, dtype=torch.int32)
+    launch_order = torch.sort(visible_counts, dim=-1, descending=True, stable=True).indices
+    return order.to(torch.int32), visible_counts, full.sum(dim=-1, dtype=torch.int32), launch_order.to(torch.int32)
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
@@ -198,15 +204,15 @@ _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "str
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, order_ptr, out_ptr, lse_ptr,
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    q_tile = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    q_tile = tl.load(order_ptr + batch * tl.num_programs(1) + tl.program_id(1))
     kv_head = head // groups
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
@@ -215,7 +221,7 @@ def _masked_attention_forward_kernel(
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     mask_base = mask_ptr + batch * stride_mb
-    list_row = batch * tl.num_programs(0) + q_tile
+    list_row = batch * tl.num_programs(1) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
@@ -264,16 +270,17 @@ def _dq_visits(
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, order_ptr, grad_out_ptr, lse_ptr, delta_ptr,
+    grad_q_ptr,
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq with q's strides; grad_out with the strides stride_o*."""
-    q_tile = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    q_tile = tl.load(order_ptr + batch * tl.num_programs(1) + tl.program_id(1))
     kv_head = head // groups
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
@@ -287,7 +294,7 @@ def _masked_attention_dq_kernel(
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     mask_base = mask_ptr + batch * stride_mb
-    list_row = batch * tl.num_programs(0) + q_tile
+    list_row = batch * tl.num_programs(1) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
@@ -334,17 +341,17 @@ def _dkv_visits(
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_k_ptr,
-    grad_v_ptr, q_len, k_len, num_heads, groups, list_len, scale,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, order_ptr, grad_out_ptr, lse_ptr, delta_ptr,
+    grad_k_ptr, grad_v_ptr, q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dk / dv of one key tile and key-value head, summed over every query head of its group in the program; dk
     has k's strides and dv v's."""
-    key_tile = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    key_tile = tl.load(order_ptr + batch * tl.num_programs(1) + tl.program_id(1))
     keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     key_ok = keys < k_len
     dims = tl.arange(0, HEAD_DIM)
@@ -353,7 +360,7 @@ def _masked_attention_dkv_kernel(
     k = tl.load(k_ptr + k_offsets, mask=key_ok[:, None], other=0.0)
     v = tl.load(v_ptr + v_offsets, mask=key_ok[:, None], other=0.0)
     mask_base = mask_ptr + batch * stride_mb
-    list_row = batch * tl.num_programs(0) + key_tile
+    list_row = batch * tl.num_programs(1) + key_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
@@ -427,6 +434,7 @@ def _masked_attention(
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
     key_full: torch.Tensor,
+    key_order: torch.Tensor,
     sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,9 +443,9 @@ def _masked_attention(
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     plane = mask[:, 0]
-    grid = (key_counts.shape[1], heads, batch)
+    grid = (heads, key_counts.shape[1], batch)
     _masked_attention_forward_kernel[grid](
-        q, k, v, plane, key_tiles, key_counts, key_full, out, lse,
+        q, k, v, plane, key_tiles, key_counts, key_full, key_order, out, lse,
         q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
         *_strides(q, k, v, plane, out), **_forward_meta(q, TileSizes(*sizes)),
     )  # fmt: skip
@@ -445,14 +453,14 @@ def _masked_attention(
 
 
 @_masked_attention.register_fake
-def _(q, k, v, mask, key_tiles, key_counts, key_full, sizes, scale):
+def _(q, k, v, mask, key_tiles, key_counts, key_full, key_order, sizes, scale):
     batch, heads, q_len, _ = q.shape
     return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
 
 def _backward_arguments(q, k, v, mask, lists, grad_out, lse, delta, *grads, scale):
-    """(tensors, sizes, strides) of a backward kernel: its tile lists, counts and full counts, then the gradients
-    it writes (dq for the dq kernel, dk and dv for the dk / dv kernel)."""
+    """(tensors, sizes, strides) of a backward kernel: its tile lists, counts, full counts and launch order, then
+    the gradients it writes (dq for the dq kernel, dk and dv for the dk / dv kernel)."""
     plane = mask[:, 0]
     heads = q.shape[1]
     tensors = (q, k, v, plane, *lists, grad_out, lse, delta, *grads)
@@ -472,39 +480,42 @@ def _masked_attention_backward(
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
     key_full: torch.Tensor,
+    key_order: torch.Tensor,
     query_tiles: torch.Tensor,
     query_counts: torch.Tensor,
     query_full: torch.Tensor,
+    query_order: torch.Tensor,
     sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq like q, dk like k, dv like v); grad_out [B, Q, N, D]; sizes = TileSizes; delta [B, N, Q] fp32."""
     sizes = TileSizes(*sizes)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    key_lists, query_lists = (key_tiles, key_counts, key_full), (query_tiles, query_counts, query_full)
+    key_lists = (key_tiles, key_counts, key_full, key_order)
+    query_lists = (query_tiles, query_counts, query_full, query_order)
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, grad_out, lse, delta, grad_q, scale=scale)
-    _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
+    _masked_attention_dq_kernel[(q.shape[1], key_counts.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dq_meta(q, sizes)
     )
     tensors, scalars, strides = _backward_arguments(
         q, k, v, mask, query_lists, grad_out, lse, delta, grad_k, grad_v, scale=scale
     )
-    _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
+    _masked_attention_dkv_kernel[(k.shape[1], query_counts.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dkv_meta(q, sizes)
     )
     return grad_q, grad_k, grad_v
 
 
 @_masked_attention_backward.register_fake
-def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, key_full, query_tiles, query_counts, query_full,
-      sizes, scale):  # fmt: skip
+def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, key_full, key_order, query_tiles, query_counts,
+      query_full, query_order, sizes, scale):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) -> None:
     """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
     out, delta as lse."""
-    key_lists, query_lists = tiles[1:4], tiles[4:7]
+    key_lists, query_lists = tiles[1:5], tiles[5:9]
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, out, lse, lse, q, scale=scale)
     precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_dq_meta(q, tiles.sizes))
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, query_lists, out, lse, lse, k, v, scale=scale)
@@ -520,7 +531,7 @@ class LigerMaskedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, tiles: AttentionTiles, scale):
         sizes = list(tiles.sizes)
-        out, lse = _masked_attention(q, k, v, mask, *tiles[1:4], sizes, scale)
+        out, lse = _masked_attention(q, k, v, mask, *tiles[1:5], sizes, scale)
         if q.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
             _precompile_backward(q, k, v, mask, tiles, out, lse, scale)
         ctx.save_for_backward(q, k, v, mask, out, lse, *tiles[1:])

@@ -141,6 +141,10 @@ def test_tile_lists_name_exactly_the_visible_tiles_full_first(density, sizes):
             assert tiles.query_tiles[b, col, :count].tolist() == expected
             assert int(tiles.query_full[b, col]) == full
             full_seen += full
+        for order, counts in ((tiles.key_order[b], tiles.key_counts[b]), (tiles.query_order[b], tiles.query_counts[b])):
+            # every tile launched once, the longest lists first, ties in tile order
+            expected = sorted(range(counts.shape[0]), key=lambda tile: (-int(counts[tile]), tile))
+            assert order.tolist() == expected
     assert full_seen > 0
 
 
