@@ -28,6 +28,7 @@ import torch
 
 if not torch.cuda.is_available():  # --tiny: Triton's CPU interpreter, switched on before any kernel module
     os.environ.setdefault("LIGER_DSPINE_INTERPRET", "1")
+from baseline_module import load_baseline  # noqa: E402
 from cuda_timing import event_times_ms  # noqa: E402
 from liger_dspine.ops.fp8_quantize import column_amax_reference  # noqa: E402
 from liger_dspine.ops.fp8_quantize import quantize_columns  # noqa: E402
@@ -85,19 +86,6 @@ OPS = {
     ),
     "columns, amax given": (quantize_columns, quantize_columns_reference, lambda x: (column_amax_reference(x),)),
 }
-
-
-def load_baseline(path: str):
-    """Another version of ops/fp8_quantize.py, its custom ops registered under the namespace liger_dspine_baseline
-    (the names of this version's ops are taken)."""
-    import types
-
-    with open(path) as handle:
-        source = handle.read().replace('"liger_dspine::', '"liger_dspine_baseline::')
-    module = types.ModuleType("baseline_fp8_quantize")
-    module.__file__ = os.path.abspath(path)
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -181,7 +169,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     operands = TINY_OPERANDS if args.tiny else OPERANDS
-    baseline = load_baseline(args.baseline) if args.baseline else None
+    baseline = load_baseline(args.baseline, "baseline_fp8_quantize") if args.baseline else None
     rows = []
     for operand in operands:
         rows += measure(*operand, device, args.repeats, baseline)

@@ -31,21 +31,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from baseline_module import load_baseline  # noqa: E402
 from cuda_timing import median_ms_and_peak_gib as timed  # noqa: E402
 
 DATA = os.path.join(HERE, "data")
 BATCH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 2, 32, 8, 128, 16
 IMPLS = ("native", "liger-dspine-grouped", "liger-dspine")
-
-
-def load_module(path: str, name: str):
-    """A module from a file (another version of ops/masked_attention.py)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def visited_pairs(tiles) -> int:
@@ -124,7 +115,7 @@ def measure(anchors: int, context: int, baseline: str | None = None) -> list[dic
     pairs = {"native": BATCH * q.shape[2] * k.shape[2], "liger-dspine-grouped": BATCH * q.shape[2] * k.shape[2]}
     pairs["liger-dspine"] = visited_pairs(tiles)
     if baseline:
-        previous = load_module(baseline, "baseline_masked_attention")
+        previous = load_baseline(baseline, "baseline_masked_attention")
         # tile_sizes takes the device in versions whose tiles depend on the GPU's shared memory
         takes_device = "device" in inspect.signature(previous.tile_sizes).parameters
         device_args = (q.device,) if takes_device else ()
