@@ -158,34 +158,41 @@ def _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, BY_KE
 
 
 @triton.jit
+def _key_value_descriptors(k_base, v_base, k_len, stride_ks, stride_vs, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """TMA descriptors of one key-value head's k and v [k_len, D]: a forward / dq program's key tiles are copied by
+    the tensor memory accelerator, rows past k_len read as zeros."""
+    k_desc = tl.make_tensor_descriptor(k_base, [k_len, HEAD_DIM], [stride_ks, 1], [BLOCK_K, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_base, [k_len, HEAD_DIM], [stride_vs, 1], [BLOCK_K, HEAD_DIM])
+    return k_desc, v_desc
+
+
+@triton.jit
 def _key_tile_scores(
-    key_tile, q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs, stride_mq, qk_scale,
+    key_tile, q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq,
     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(k, v, scores q.k [rows, keys], unscaled) of one key tile of a forward / dq program, -inf where a partial
-    tile's mask hides a pair."""
-    keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    key_ok = keys < k_len
-    k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
-    v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
+    tile's mask hides a pair (or its keys pass k_len)."""
+    k = k_desc.load([key_tile * BLOCK_K, 0])
+    v = v_desc.load([key_tile * BLOCK_K, 0])
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if PARTIAL:
-        scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        scores = _hide_masked(scores, mask_base, rows, row_ok, keys, keys < k_len, stride_mq, False)
     return k, v, scores
 
 
 @triton.jit
 def _forward_visits(
-    acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
-    k_len, stride_ks, stride_vs, stride_mq, qk_scale,
-    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, start, end, rows, row_ok, k_len,
+    stride_mq, qk_scale, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The online softmax over the key tiles ``list_ptr[start:end]``. Full tiles (PARTIAL off) read neither the
     mask nor bounds."""
     for i in range(start, end):
         k, v, scores = _key_tile_scores(
-            tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
-            stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
+            tl.load(list_ptr + i), q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq, BLOCK_K, PARTIAL,
+            PRECISION,
         )  # fmt: skip
         new_max = tl.maximum(running_max, tl.max(scores, axis=1) * qk_scale)
         shift = new_max
@@ -210,18 +217,20 @@ def _masked_attention_forward_kernel(
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
-    q_tile = tl.load(order_ptr + batch * tl.num_programs(1) + tl.program_id(1))
+    q_tile = tl.load(order_ptr + batch * tl.num_programs(0) + tl.program_id(0))
     kv_head = head // groups
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
     dims = tl.arange(0, HEAD_DIM)
     q = _load_rows(q_ptr + batch * stride_qb + head * stride_qh, rows, row_ok, stride_qs, dims, True)
-    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    k_desc, v_desc = _key_value_descriptors(
+        k_ptr + batch * stride_kb + kv_head * stride_kh, v_ptr + batch * stride_vb + kv_head * stride_vh, k_len,
+        stride_ks, stride_vs, BLOCK_K, HEAD_DIM,
+    )  # fmt: skip
     mask_base = mask_ptr + batch * stride_mb
-    list_row = batch * tl.num_programs(1) + q_tile
+    list_row = batch * tl.num_programs(0) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
@@ -230,12 +239,12 @@ def _masked_attention_forward_kernel(
     running_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     acc, running_max, running_sum = _forward_visits(
-        acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, 0, full, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+        acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, 0, full, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, False, PRECISION,
     )  # fmt: skip
     acc, running_max, running_sum = _forward_visits(
-        acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, full, count, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+        acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, full, count, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, True, PRECISION,
     )  # fmt: skip
     empty = running_sum == 0.0
     out = acc / tl.where(empty, 1.0, running_sum)[:, None]
@@ -251,15 +260,14 @@ def _masked_attention_forward_kernel(
 
 @triton.jit
 def _dq_visits(
-    acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
-    k_len, stride_ks, stride_vs, stride_mq, qk_scale,
-    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, start, end, rows, row_ok, k_len,
+    stride_mq, qk_scale, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc += sum over the key tiles ``list_ptr[start:end]`` of p (dO.v - delta) k."""
     for i in range(start, end):
         k, v, scores = _key_tile_scores(
-            tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
-            stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
+            tl.load(list_ptr + i), q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq, BLOCK_K, PARTIAL,
+            PRECISION,
         )  # fmt: skip
         p = tl.math.exp2(scores * qk_scale - lse2[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
@@ -278,9 +286,9 @@ def _masked_attention_dq_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq with q's strides; grad_out with the strides stride_o*."""
-    head = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
-    q_tile = tl.load(order_ptr + batch * tl.num_programs(1) + tl.program_id(1))
+    q_tile = tl.load(order_ptr + batch * tl.num_programs(0) + tl.program_id(0))
     kv_head = head // groups
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
@@ -291,22 +299,24 @@ def _masked_attention_dq_kernel(
     stats = (batch * num_heads + head) * q_len + rows
     lse2 = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    k_desc, v_desc = _key_value_descriptors(
+        k_ptr + batch * stride_kb + kv_head * stride_kh, v_ptr + batch * stride_vb + kv_head * stride_vh, k_len,
+        stride_ks, stride_vs, BLOCK_K, HEAD_DIM,
+    )  # fmt: skip
     mask_base = mask_ptr + batch * stride_mb
-    list_row = batch * tl.num_programs(1) + q_tile
+    list_row = batch * tl.num_programs(0) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
     qk_scale = scale * 1.4426950408889634
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     acc = _dq_visits(
-        acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, 0, full, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, 0, full, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, False, PRECISION,
     )  # fmt: skip
     acc = _dq_visits(
-        acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, full, count, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, full, count, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, True, PRECISION,
     )  # fmt: skip
     grad_q_pointers = grad_q_ptr + q_offset + rows[:, None] * stride_qs + dims[None, :]
     tl.store(grad_q_pointers, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -419,6 +429,27 @@ def _dkv_meta(q, sizes: TileSizes) -> dict:
     return _meta(q, sizes.dkv_query, sizes.dkv_key, sizes.dkv_warps, sizes.dkv_stages)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the TMA descriptors the forward / dq programs make (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Give Triton an allocator for the descriptors' memory, unless the caller has set one (in this context)."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_descriptor_scratch)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t`` [B, H, T, D]: its start and every stride but the last on 16 bytes."""
+    size = t.element_size()
+    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3])
+
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """[B, Q, N, D]: what the output projection reads, flattened over the heads."""
     batch, heads, q_len, head_dim = q.shape
@@ -443,7 +474,8 @@ def _masked_attention(
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     plane = mask[:, 0]
-    grid = (heads, key_counts.shape[1], batch)
+    _ensure_descriptor_allocator()
+    grid = (key_counts.shape[1], heads, batch)
     _masked_attention_forward_kernel[grid](
         q, k, v, plane, key_tiles, key_counts, key_full, key_order, out, lse,
         q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
@@ -494,7 +526,8 @@ def _masked_attention_backward(
     key_lists = (key_tiles, key_counts, key_full, key_order)
     query_lists = (query_tiles, query_counts, query_full, query_order)
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, grad_out, lse, delta, grad_q, scale=scale)
-    _masked_attention_dq_kernel[(q.shape[1], key_counts.shape[1], q.shape[0])](
+    _ensure_descriptor_allocator()
+    _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dq_meta(q, sizes)
     )
     tensors, scalars, strides = _backward_arguments(
@@ -620,5 +653,7 @@ def liger_masked_attention(
             f"liger-dspine: masked attention's tiles were made for {tiles.sizes} and batch "
             f"{tiles.key_counts.shape[0]}, these inputs need {sizes} and batch {batch}"
         )
-    query, key, value = (t if t.stride(3) == 1 else t.contiguous() for t in (query, key, value))
+    query = query if query.stride(3) == 1 else query.contiguous()
+    # k and v as TMA reads them; a copy in a fresh allocation otherwise
+    key, value = (t if _tma_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (key, value))
     return LigerMaskedAttentionFunction.apply(query, key, value, mask, tiles, float(scale))
