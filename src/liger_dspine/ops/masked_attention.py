@@ -444,10 +444,13 @@ def _ensure_descriptor_allocator() -> None:
         triton.set_allocator(_descriptor_scratch)
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """Whether TMA can read ``t`` [B, H, T, D]: its start and every stride but the last on 16 bytes."""
+def _tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, H, T, D] if TMA can read it (its start and every stride but the last on 16 bytes), else a copy in
+    a fresh allocation. Checked inside the ops: a compiled graph knows no data pointer."""
     size = t.element_size()
-    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3])
+    if t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
@@ -471,6 +474,7 @@ def _masked_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Q, N, D], lse [B, N, Q] fp32); sizes = TileSizes."""
     batch, heads, q_len, _ = q.shape
+    k, v = _tma_readable(k), _tma_readable(v)
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     plane = mask[:, 0]
@@ -522,6 +526,7 @@ def _masked_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq like q, dk like k, dv like v); grad_out [B, Q, N, D]; sizes = TileSizes; delta [B, N, Q] fp32."""
     sizes = TileSizes(*sizes)
+    k, v = _tma_readable(k), _tma_readable(v)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     key_lists = (key_tiles, key_counts, key_full, key_order)
     query_lists = (query_tiles, query_counts, query_full, query_order)
@@ -653,7 +658,5 @@ def liger_masked_attention(
             f"liger-dspine: masked attention's tiles were made for {tiles.sizes} and batch "
             f"{tiles.key_counts.shape[0]}, these inputs need {sizes} and batch {batch}"
         )
-    query = query if query.stride(3) == 1 else query.contiguous()
-    # k and v as TMA reads them; a copy in a fresh allocation otherwise
-    key, value = (t if _tma_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (key, value))
+    query, key, value = (t if t.stride(3) == 1 else t.contiguous() for t in (query, key, value))
     return LigerMaskedAttentionFunction.apply(query, key, value, mask, tiles, float(scale))
