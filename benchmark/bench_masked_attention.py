@@ -156,6 +156,15 @@ def measure(anchors: int, context: int, baseline: str | None = None) -> list[dic
     native = rows[0]["step_ms"]
     for row in rows:
         row["speed_vs_native"] = round(native / row["step_ms"], 2)
+    if baseline:  # the baseline's output and gradients against this version's (relative L2, the worst of the four)
+
+        def results(run):
+            out = run()
+            return (out, *torch.autograd.grad(out, (q, k, v), grads[tuple(out.shape)]))
+
+        ours, theirs = results(runs["liger-dspine"]), results(runs["liger-dspine-baseline"])
+        worst = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(ours, theirs))
+        print(f"the baseline against this version, relative L2, the worst of out, dq, dk and dv: {worst:.2e}")
     return rows
 
 
