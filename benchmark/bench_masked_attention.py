@@ -204,7 +204,7 @@ def sweep(anchors: int, context: int) -> list[dict]:
         listed = list(sizes)
 
         def forward():
-            return ops._masked_attention(q, k, v, mask, *tiles[1:5], listed, scale)
+            return ops._masked_attention(q, k, v, mask, *tiles[1:4], listed, scale)
 
         out, lse = forward()
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
