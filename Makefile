@@ -68,7 +68,7 @@ test-convergence: $(STAMP)
 
 checkstyle: $(STAMP)
 	$(PY) -m ruff check src test benchmark
-	$(PY) -m ruff format --check src test benchmark
+	$(PY) -m ruff format --check src test benchmark README.md docs
 
 # The documentation site (mkdocs.yml, docs/): a broken link, page or nav entry fails the build.
 docs: $(STAMP)
@@ -76,7 +76,7 @@ docs: $(STAMP)
 
 format: $(STAMP)
 	$(PY) -m ruff check --fix src test benchmark
-	$(PY) -m ruff format src test benchmark
+	$(PY) -m ruff format src test benchmark README.md docs
 
 # GPU only: see benchmark/run_gpu.sh for the full run (CUDA tests, bf16 convergence, benchmark).
 bench: $(STAMP)
