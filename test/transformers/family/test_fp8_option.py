@@ -1,5 +1,5 @@
-"""``fp8=True`` of the DeepSeek-V3, DeepSeek-V2 and GLM-4.7-Flash patches: which modules it swaps, that their GEMMs
-run on FP8 operands (the reference path on a CPU), its refusals, and a training step against native.
+"""``fp8=True`` of the DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash and Kimi K2.5 patches: which modules it swaps, that
+their GEMMs run on FP8 operands (the reference path on a CPU), its refusals, and a training step against native.
 
 The FP8 GEMMs themselves are checked elementwise against float64 bounds in test/transformers/ops/test_fp8_*.py;
 here the question is the wiring: the MLPs and experts of a patched model compute with the FP8 ops and the model's
@@ -48,6 +48,9 @@ def build(model_type: str) -> tuple[nn.Module, object, int]:
         model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**FP8_WIDTHS)).float()
         return model, apply_liger_kernel_to_deepseek_v3, 96
     case = CASES[model_type]
+    if model_type == "kimi_k25":  # the widths are its text model's
+        text_config = {**case.config_values["text_config"], **FP8_WIDTHS}
+        return case.build(text_config=text_config), case.apply_fn(), case.vocab_size
     return case.build(**FP8_WIDTHS), case.apply_fn(), case.vocab_size
 
 
@@ -55,7 +58,7 @@ def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))]
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25"])
 def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
     native, apply, vocab = build(model_type)
     bf16_patched, fp8_patched = copy.deepcopy(native), copy.deepcopy(native)

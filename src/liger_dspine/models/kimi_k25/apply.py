@@ -19,13 +19,15 @@ def apply_liger_kernel_to_kimi_k25(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the text model of Kimi K2.5 / K2.6 (``kimi_k25``) for Liger kernels; liger-kernel's parameter order.
 
     Its text model is DeepSeek-V3's, so the options mean what they mean for ``apply_liger_kernel_to_deepseek_v3``,
     on DeepSeek-V3's classes: ``DeepseekV3RMSNorm`` -> ``LigerRMSNorm``; ``DeepseekV3MLP`` -> ``LigerSwiGLUMLP``;
     the routed experts -> ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``DeepseekV3Attention`` ->
-    ``LigerDeepseekV3Attention``; ``DeepseekV3TopkRouter`` -> ``LigerDeepseekV3TopkRouter``. The loss options
+    ``LigerDeepseekV3Attention``; ``DeepseekV3TopkRouter`` -> ``LigerDeepseekV3TopkRouter``. ``fp8=True`` runs the
+    text model's MLA projections, MLPs and routed experts in FP8 as for DeepSeek-V3 (docs/fp8.md). The loss options
     replace ``Kimi_K25ForConditionalGeneration.forward`` (``models/kimi_k25/forward.py``): the Liger loss for
     text-only batches, transformers' forward for batches with images or videos. The vision tower stays native.
 
@@ -46,6 +48,7 @@ def apply_liger_kernel_to_kimi_k25(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     return apply_spec(KIMI_K25_SPEC, options, model)
 
