@@ -1,5 +1,6 @@
-"""``fp8=True`` of the DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash and Kimi K2.5 patches: which modules it swaps, that
-their GEMMs run on FP8 operands (the reference path on a CPU), its refusals, and a training step against native.
+"""``fp8=True`` of the DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash, Kimi K2.5 and A.X-K1 patches: which modules it
+swaps, that their GEMMs run on FP8 operands (the reference path on a CPU), its refusals, and a training step against
+native.
 
 The FP8 GEMMs themselves are checked elementwise against float64 bounds in test/transformers/ops/test_fp8_*.py;
 here the question is the wiring: the MLPs and experts of a patched model compute with the FP8 ops and the model's
@@ -58,7 +59,7 @@ def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))]
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1"])
 def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
     native, apply, vocab = build(model_type)
     bf16_patched, fp8_patched = copy.deepcopy(native), copy.deepcopy(native)

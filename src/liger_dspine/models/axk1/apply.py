@@ -19,6 +19,7 @@ def apply_liger_kernel_to_axk1(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of A.X-K1 (``axk1``) for Liger kernels; liger-kernel's parameter order.
 
@@ -26,7 +27,8 @@ def apply_liger_kernel_to_axk1(
     DeepSeek-V3's): ``AXK1RMSNorm`` -> ``LigerRMSNorm``; ``AXK1MLP`` -> ``LigerSwiGLUMLP``; the routed experts ->
     ``LigerGroupedExperts`` / ``LigerFusedExperts``; ``AXK1TopkRouter`` -> ``LigerAXK1TopkRouter``;
     ``AXK1Attention`` (MLA) -> ``LigerAXK1Attention``; ``AXK1ForCausalLM.forward`` -> ``lce_forward`` (or
-    ``ce_forward``).
+    ``ce_forward``). ``fp8=True`` runs the MLA projections, MLPs and routed experts in FP8 (``LigerFP8AXK1Attention``;
+    docs/fp8.md).
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -42,6 +44,7 @@ def apply_liger_kernel_to_axk1(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     return apply_spec(AXK1_SPEC, options, model)
 

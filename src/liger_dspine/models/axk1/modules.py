@@ -14,6 +14,12 @@ class LigerAXK1Attention(LigerMLAAttention, AXK1Attention):
     """A.X-K1's MLA (a copy of DeepSeek-V3's) with the interleaved RoPE fused into the query and key assembly."""
 
 
+class LigerFP8AXK1Attention(LigerAXK1Attention):
+    """``LigerAXK1Attention`` with the projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerAXK1RecomputeAttention(LigerAXK1Attention):
     """``LigerAXK1Attention`` keeping only the latents for backward (``recompute_attention=True``)."""
 
