@@ -32,8 +32,9 @@ def apply_liger_kernel_to_deepseek_v2(
     in one kernel; ``DeepseekV2Moe.route_tokens_to_experts`` before transformers 5.17);
     ``DeepseekV2ForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
 
-    ``fp8`` (keyword-only, opt-in): the MLPs' and experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
-    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``.
+    ``fp8`` (keyword-only, opt-in): the MLA projections', MLPs' and experts' GEMMs in FP8
+    (``LigerFP8DeepseekV2Attention``, ``LigerFP8SwiGLUMLP``, ``LigerFP8GroupedExperts``), as for
+    ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.

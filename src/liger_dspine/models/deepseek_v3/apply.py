@@ -67,12 +67,13 @@ def apply_liger_kernel_to_deepseek_v3(
             DeepSeek-V3 widths. The backward recomputes them a group of heads at a time (about 256 MiB of them
             alive at once), for one more attention forward. With eager attention, attention dropout or projections
             that are not plain bias-free ``nn.Linear`` (adapters) the whole core is checkpointed instead.
-        fp8: (keyword-only) opt-in FP8 training: the dense MLPs' and shared experts' projections
-            (``LigerFP8SwiGLUMLP``) and the routed experts' grouped GEMMs (``LigerFP8GroupedExperts``) run on e4m3
-            operands with dynamic rowwise scales, forward and backward; weights, optimizer state, router, norms,
-            attention and the loss stay in their dtype. Needs ``swiglu`` and ``grouped_experts``, bf16 on a GPU with
-            FP8 GEMMs (the grouped ones: compute capability 9.0 or 10.0); on a CPU a reference path computes the
-            same rounding. See docs/fp8.md.
+        fp8: (keyword-only) opt-in FP8 training: the MLA projections (``LigerFP8DeepseekV3Attention``, with
+            ``rope``), the dense MLPs' and shared experts' projections (``LigerFP8SwiGLUMLP``) and the routed
+            experts' grouped GEMMs (``LigerFP8GroupedExperts``) run on e4m3 operands with dynamic rowwise scales,
+            forward and backward; weights, optimizer state, router, norms, the attention scores and values and the
+            loss stay in their dtype. Needs ``swiglu`` and ``grouped_experts``, bf16 on a GPU with FP8 GEMMs (the
+            grouped ones: compute capability 9.0 or 10.0); on a CPU a reference path computes the same rounding.
+            See docs/fp8.md.
         model: None patches the transformers classes (models built afterwards, ``from_pretrained`` included, use
             the Liger modules); a built DeepSeek-V3 model patches only that instance.
 

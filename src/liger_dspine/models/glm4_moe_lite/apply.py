@@ -29,8 +29,9 @@ def apply_liger_kernel_to_glm4_moe_lite(
     ``LigerGlm4MoeLiteTopkRouter``; ``Glm4MoeLiteAttention`` (MLA) -> ``LigerGlm4MoeLiteAttention``;
     ``Glm4MoeLiteForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
 
-    ``fp8`` (keyword-only, opt-in): the MLPs' and experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
-    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``.
+    ``fp8`` (keyword-only, opt-in): the MLA projections', MLPs' and experts' GEMMs in FP8
+    (``LigerFP8Glm4MoeLiteAttention``, ``LigerFP8SwiGLUMLP``, ``LigerFP8GroupedExperts``), as for
+    ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
