@@ -49,7 +49,7 @@ def build(model_type: str) -> tuple[nn.Module, object, int]:
         model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**FP8_WIDTHS)).float()
         return model, apply_liger_kernel_to_deepseek_v3, 96
     case = CASES[model_type]
-    if model_type == "kimi_k25":  # the widths are its text model's
+    if "text_config" in case.config_values:  # a multimodal model (Kimi K2.5): the widths are its text model's
         text_config = {**case.config_values["text_config"], **FP8_WIDTHS}
         return case.build(text_config=text_config), case.apply_fn(), case.vocab_size
     return case.build(**FP8_WIDTHS), case.apply_fn(), case.vocab_size
