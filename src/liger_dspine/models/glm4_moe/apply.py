@@ -19,6 +19,7 @@ def apply_liger_kernel_to_glm4_moe(
     fused_experts: bool = False,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of GLM-4.5 / 4.6 / 4.7 (``glm4_moe``) for Liger kernels; liger-kernel's parameter order.
 
@@ -29,6 +30,10 @@ def apply_liger_kernel_to_glm4_moe(
 
     Its GQA attention stays native (no RoPE kernel of this package fits it yet), so ``rope``, kept for
     liger-kernel's parameter order, must be False.
+
+    ``fp8`` (keyword-only, opt-in): the MLPs' and routed experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``; the attention stays native, in
+    its dtype.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -45,6 +50,7 @@ def apply_liger_kernel_to_glm4_moe(
         fused_experts=fused_experts,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
+        fp8=fp8,
     )
     return apply_spec(GLM4_MOE_SPEC, options, model)
 

@@ -19,6 +19,7 @@ def apply_liger_kernel_to_minicpm5_moe(
     fused_experts: bool = False,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of MiniCPM5-MoE (``minicpm5_moe``) for Liger kernels; liger-kernel's parameter order.
 
@@ -30,6 +31,10 @@ def apply_liger_kernel_to_minicpm5_moe(
 
     Its gated GQA attention stays native (no Liger module computes it), so ``rope``, kept for liger-kernel's
     parameter order, must be False.
+
+    ``fp8`` (keyword-only, opt-in): the MLPs' and routed experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``; the attention stays native, in
+    its dtype.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -46,6 +51,7 @@ def apply_liger_kernel_to_minicpm5_moe(
         fused_experts=fused_experts,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
+        fp8=fp8,
     )
     return apply_spec(MINICPM5_MOE_SPEC, options, model)
 

@@ -19,6 +19,7 @@ def apply_liger_kernel_to_param2moe(
     fused_experts: bool = False,
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of Param2-MoE (``param2moe``, built as ``Glm4MoeForCausalLM``) for Liger kernels;
     liger-kernel's parameter order.
@@ -29,6 +30,10 @@ def apply_liger_kernel_to_param2moe(
     ``lce_forward`` (or ``ce_forward``; a tied head is read as ``lm_head.weight``, like an untied one).
 
     Its GQA attention stays native, so ``rope``, kept for liger-kernel's parameter order, must be False.
+
+    ``fp8`` (keyword-only, opt-in): the MLPs' and routed experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+    ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``; the attention stays native, in
+    its dtype.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -45,6 +50,7 @@ def apply_liger_kernel_to_param2moe(
         fused_experts=fused_experts,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
+        fp8=fp8,
     )
     return apply_spec(PARAM2MOE_SPEC, options, model)
 
