@@ -1,4 +1,4 @@
-"""``fp8=True`` of the DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash, Kimi K2.5 and A.X-K1 patches: which modules it
+"""``fp8=True`` of the family's patches (MLA models, the dense MLA models, the GQA MoE models): which modules it
 swaps, that their GEMMs run on FP8 operands (the reference path on a CPU), its refusals, and a training step against
 native.
 
@@ -59,7 +59,8 @@ def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))]
 
 
-MLA_MODELS = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1"]
+DENSE_MLA_MODELS = ["youtu", "minicpm3"]  # no routed experts
+MLA_MODELS = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1", *DENSE_MLA_MODELS]
 GQA_MOE_MODELS = ["dots1", "glm4_moe", "param2moe", "minicpm5_moe"]  # their attention stays native
 
 
@@ -69,10 +70,12 @@ def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
     bf16_patched, fp8_patched = copy.deepcopy(native), copy.deepcopy(native)
     apply(model=bf16_patched)
     report = apply(model=fp8_patched, fp8=True)
-    assert "LigerFP8SwiGLUMLP" in str(report) and "LigerFP8GroupedExperts" in str(report)
+    experts = model_type not in DENSE_MLA_MODELS
+    assert "LigerFP8SwiGLUMLP" in str(report) and ("LigerFP8GroupedExperts" in str(report)) == experts
     kinds = {type(m) for m in mlps_and_experts(fp8_patched)}
-    assert kinds == {LigerFP8SwiGLUMLP, LigerFP8GroupedExperts}
-    assert {type(m) for m in mlps_and_experts(bf16_patched)} == {LigerSwiGLUMLP, LigerGroupedExperts}
+    assert kinds == ({LigerFP8SwiGLUMLP, LigerFP8GroupedExperts} if experts else {LigerFP8SwiGLUMLP})
+    bf16_kinds = {type(m) for m in mlps_and_experts(bf16_patched)}
+    assert bf16_kinds == ({LigerSwiGLUMLP, LigerGroupedExperts} if experts else {LigerSwiGLUMLP})
     # the attention is the bf16 patch's class with fp8 on; the rest of the patch is the bf16 one's
     swapped = set()
     for fp8_module, bf16_module in zip(fp8_patched.modules(), bf16_patched.modules(), strict=True):
@@ -129,6 +132,14 @@ def test_fp8_refuses_what_it_cannot_run(options, message):
     model, apply, _ = build("deepseek_v3")
     with pytest.raises((ValueError, TypeError), match=message):
         apply(model=model, **{"fp8": True, **options})
+
+
+@pytest.mark.parametrize("model_type", DENSE_MLA_MODELS)
+def test_fp8_on_a_dense_model_needs_swiglu_only(model_type):
+    model, apply, _ = build(model_type)
+    with pytest.raises(ValueError, match="needs swiglu=True"):
+        apply(model=model, fp8=True, swiglu=False)
+    assert _liger_modules(model) == []
 
 
 def _liger_modules(model: nn.Module) -> list[str]:

@@ -109,9 +109,12 @@ def v3_options(
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
     fp8: bool = False,
+    routed_experts: bool = True,
 ) -> dict[str, bool]:
     """The public options of DeepSeek-V3's apply function (and of the models built from its classes), checked
-    against each other and resolved into one flag per swap of the spec: at most one enabled swap per target."""
+    against each other and resolved into one flag per swap of the spec: at most one enabled swap per target.
+
+    ``routed_experts`` False: a dense model (no experts options, nothing for ``fp8`` to require of them)."""
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError(
             "liger-dspine: cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path"
@@ -125,7 +128,12 @@ def v3_options(
             "liger-dspine: fp8=True and recompute_attention=True cannot be combined yet: the recompute runs the "
             "attention's projections by head groups in bf16"
         )
-    if fp8 and not (swiglu and grouped_experts and not fused_experts):
+    if fp8 and not routed_experts and not swiglu:
+        raise ValueError(
+            "liger-dspine: fp8=True runs the MLPs' GEMMs in FP8 inside the Liger MLP (LigerFP8SwiGLUMLP): it needs "
+            "swiglu=True"
+        )
+    if fp8 and routed_experts and not (swiglu and grouped_experts and not fused_experts):
         raise ValueError(
             "liger-dspine: fp8=True runs the MLPs and routed experts' GEMMs in FP8 inside the Liger modules: it needs "
             "swiglu=True and grouped_experts=True, and fused_experts=False (liger-kernel's fused MoE has no FP8 path)"
@@ -143,7 +151,7 @@ def v3_options(
         moe_router=moe_router,
         fused_experts=swiglu and fused_experts,
         grouped_experts=swiglu and grouped_experts and not fused_experts and not fp8,
-        fp8_grouped_experts=fp8,
+        fp8_grouped_experts=fp8 and routed_experts,
     )
 
 

@@ -16,6 +16,7 @@ def apply_liger_kernel_to_minicpm3(
     *,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of MiniCPM3 (``minicpm3``) for Liger kernels; liger-kernel's usual parameter order.
 
@@ -23,6 +24,9 @@ def apply_liger_kernel_to_minicpm3(
     half-split RoPE) -> ``LigerMiniCPM3Attention``; ``MiniCPM3ForCausalLM.forward`` -> MiniCPM3's ``lce_forward`` (or
     ``ce_forward``), which divides the hidden states by ``config.logits_scaling`` before ``lm_head`` as the native
     forward does. The options mean what they mean for ``apply_liger_kernel_to_deepseek_v3``.
+
+    ``fp8`` (keyword-only, opt-in): the MLA projections' and MLPs' GEMMs in FP8 (``LigerFP8MiniCPM3Attention``,
+    ``LigerFP8SwiGLUMLP``), as for ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -35,6 +39,8 @@ def apply_liger_kernel_to_minicpm3(
         swiglu=swiglu,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
+        routed_experts=False,
     )
     return apply_spec(MINICPM3_SPEC, options, model)
 

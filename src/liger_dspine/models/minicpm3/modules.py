@@ -16,6 +16,12 @@ class LigerMiniCPM3Attention(LigerMLAAttention, MiniCPM3Attention):
         return "halves"
 
 
+class LigerFP8MiniCPM3Attention(LigerMiniCPM3Attention):
+    """``LigerMiniCPM3Attention`` with the projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerMiniCPM3RecomputeAttention(LigerMiniCPM3Attention):
     """``LigerMiniCPM3Attention`` keeping only the latents for backward (``recompute_attention=True``)."""
 

@@ -16,12 +16,16 @@ def apply_liger_kernel_to_youtu(
     *,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of Youtu-LLM (``youtu``) for Liger kernels; liger-kernel's parameter order.
 
     The options mean what they mean for ``apply_liger_kernel_to_deepseek_v3`` (its modules are copies of
     DeepSeek-V3's): ``YoutuRMSNorm`` -> ``LigerRMSNorm``; ``YoutuMLP`` -> ``LigerSwiGLUMLP``; ``YoutuAttention``
     (MLA) -> ``LigerYoutuAttention``; ``YoutuForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
+
+    ``fp8`` (keyword-only, opt-in): the MLA projections' and MLPs' GEMMs in FP8 (``LigerFP8YoutuAttention``,
+    ``LigerFP8SwiGLUMLP``), as for ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -34,6 +38,8 @@ def apply_liger_kernel_to_youtu(
         swiglu=swiglu,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
+        routed_experts=False,
     )
     return apply_spec(YOUTU_SPEC, options, model)
 

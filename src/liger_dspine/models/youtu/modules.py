@@ -12,6 +12,12 @@ class LigerYoutuAttention(LigerMLAAttention, YoutuAttention):
     """Youtu-LLM's MLA (a copy of DeepSeek-V3's) with the interleaved RoPE fused into the query and key assembly."""
 
 
+class LigerFP8YoutuAttention(LigerYoutuAttention):
+    """``LigerYoutuAttention`` with the projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerYoutuRecomputeAttention(LigerYoutuAttention):
     """``LigerYoutuAttention`` keeping only the latents for backward (``recompute_attention=True``)."""
 
