@@ -199,18 +199,26 @@ def test_fp8_at_class_level_builds_fp8_modules_and_reverts():
 
 
 @pytest.mark.cuda
-def test_fp8_trains_a_bf16_model_on_cuda_close_to_the_bf16_patch():
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "youtu"])
+def test_fp8_trains_a_bf16_model_on_cuda_close_to_the_bf16_patch(model_type):
+    """The CUDA FP8 GEMMs (torch's scaled matmuls, the Triton quantisers) in an MLA MoE, a GQA MoE and a dense MLA
+    model, against the bf16 patch of the same bf16 weights."""
     if torch.cuda.get_device_capability() not in ((9, 0), (10, 0)):
         pytest.skip("the FP8 grouped GEMMs run on compute capability 9.0 / 10.0")
-    from transformers import DeepseekV3ForCausalLM
+    if model_type == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM
 
-    torch.manual_seed(0)
-    config = tiny_deepseek_v3_config(**FP8_WIDTHS, hidden_size=64, attn_implementation="sdpa")
-    bf16_patched = DeepseekV3ForCausalLM(config).to("cuda", torch.bfloat16)
+        torch.manual_seed(0)
+        config = tiny_deepseek_v3_config(**FP8_WIDTHS, hidden_size=64, attn_implementation="sdpa")
+        native, apply, vocab = DeepseekV3ForCausalLM(config), apply_liger_kernel_to_deepseek_v3, 96
+    else:
+        native, apply, vocab = build(model_type)
+    bf16_patched = native.to("cuda", torch.bfloat16)
     fp8_patched = copy.deepcopy(bf16_patched)
-    apply_liger_kernel_to_deepseek_v3(model=bf16_patched)
-    apply_liger_kernel_to_deepseek_v3(model=fp8_patched, fp8=True)
-    input_ids = torch.randint(0, 96, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    apply(model=bf16_patched)
+    apply(model=fp8_patched, fp8=True)
+    assert any(isinstance(m, LigerFP8SwiGLUMLP) for m in fp8_patched.modules())
+    input_ids = torch.randint(0, vocab, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     losses, gradients = [], []
     for model in (bf16_patched, fp8_patched):
         loss = model(input_ids=input_ids, labels=input_ids).loss
