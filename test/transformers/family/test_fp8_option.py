@@ -60,7 +60,8 @@ def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
 
 
 DENSE_MLA_MODELS = ["youtu", "minicpm3"]  # no routed experts
-MLA_MODELS = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1", *DENSE_MLA_MODELS]
+MLA_MODELS = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1", "mistral4", "mistral3"]
+MLA_MODELS += DENSE_MLA_MODELS
 GQA_MOE_MODELS = ["dots1", "glm4_moe", "param2moe", "minicpm5_moe"]  # their attention stays native
 
 

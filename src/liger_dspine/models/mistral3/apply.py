@@ -19,6 +19,7 @@ def apply_liger_kernel_to_mistral3(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the text model of Mistral-Small-4 checkpoints (``mistral3`` with a ``mistral4`` text model) for Liger
     kernels; liger-kernel's usual parameter order.
@@ -28,6 +29,10 @@ def apply_liger_kernel_to_mistral3(
     (``models/mistral3/forward.py``): the Liger loss for text-only batches, transformers' forward for batches with
     images. The Pixtral vision tower stays native. An instance whose text model is not ``mistral4`` (Mistral-Small-3)
     is refused.
+
+    ``fp8`` (keyword-only, opt-in): the MLA projections', MLPs' and experts' GEMMs in FP8
+    (``LigerFP8Mistral4Attention``, ``LigerFP8SwiGLUMLP``, ``LigerFP8GroupedExperts``), as for
+    ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -43,6 +48,7 @@ def apply_liger_kernel_to_mistral3(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     if model is not None:
         _require_mistral4_text(model)

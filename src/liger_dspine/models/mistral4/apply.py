@@ -19,6 +19,7 @@ def apply_liger_kernel_to_mistral4(
     grouped_experts: bool = True,
     vocab_chunked_lce: bool = False,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of Mistral-Small-4 (``mistral4``) for Liger kernels; liger-kernel's usual parameter order.
 
@@ -28,6 +29,10 @@ def apply_liger_kernel_to_mistral4(
     ``LigerMistral4Attention``; ``Mistral4TopkRouter`` -> ``LigerMistral4TopkRouter`` (softmax, groups scored by
     their top-2 sum, in one kernel; the softmax runs in fp32 where the native one runs in the model's dtype);
     ``Mistral4ForCausalLM.forward`` -> ``lce_forward`` (or ``ce_forward``).
+
+    ``fp8`` (keyword-only, opt-in): the MLA projections', MLPs' and experts' GEMMs in FP8
+    (``LigerFP8Mistral4Attention``, ``LigerFP8SwiGLUMLP``, ``LigerFP8GroupedExperts``), as for
+    ``apply_liger_kernel_to_deepseek_v3``.
 
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
@@ -43,6 +48,7 @@ def apply_liger_kernel_to_mistral4(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     return apply_spec(MISTRAL4_SPEC, options, model)
 

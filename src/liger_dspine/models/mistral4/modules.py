@@ -31,6 +31,12 @@ class LigerMistral4Attention(LigerMLAAttention, Mistral4Attention):
         )
 
 
+class LigerFP8Mistral4Attention(LigerMistral4Attention):
+    """``LigerMistral4Attention`` with the projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerMistral4RecomputeAttention(LigerMistral4Attention):
     """``LigerMistral4Attention`` keeping only the latents for backward (``recompute_attention=True``)."""
 
