@@ -62,10 +62,11 @@ def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
 DENSE_MLA_MODELS = ["youtu", "minicpm3"]  # no routed experts
 MLA_MODELS = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1", "mistral4", "mistral3"]
 MLA_MODELS += DENSE_MLA_MODELS
+DSA_MODELS = ["deepseek_v32", "glm_moe_dsa"]  # MLA with the Liger forward from transformers 5.24 (rope=None)
 GQA_MOE_MODELS = ["dots1", "glm4_moe", "param2moe", "minicpm5_moe"]  # their attention stays native
 
 
-@pytest.mark.parametrize("model_type", MLA_MODELS + GQA_MOE_MODELS)
+@pytest.mark.parametrize("model_type", MLA_MODELS + DSA_MODELS + GQA_MOE_MODELS)
 def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
     native, apply, vocab = build(model_type)
     bf16_patched, fp8_patched = copy.deepcopy(native), copy.deepcopy(native)
@@ -83,7 +84,12 @@ def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
         if type(fp8_module) is not type(bf16_module):
             assert issubclass(type(fp8_module), type(bf16_module)) and type(fp8_module).fp8, type(fp8_module)
             swapped.add(type(fp8_module).__name__)
-    assert any(name.endswith("Attention") for name in swapped) == (model_type in MLA_MODELS), swapped
+    liger_attention = any(
+        type(m).__name__.endswith("Attention") and type(m).__module__.startswith("liger_dspine")
+        for m in bf16_patched.modules()
+    )
+    assert liger_attention == (model_type in MLA_MODELS) or model_type in DSA_MODELS
+    assert any(name.endswith("Attention") for name in swapped) == liger_attention, swapped
 
     input_ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
     losses = {}

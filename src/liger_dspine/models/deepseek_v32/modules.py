@@ -18,6 +18,12 @@ class LigerDeepseekV32Attention(LigerDSAAttention, DeepseekV32Attention):
     """DeepSeek-V3.2's MLA with its DSA key selection, the query and key assembly in the Liger kernels."""
 
 
+class LigerFP8DeepseekV32Attention(LigerDeepseekV32Attention):
+    """``LigerDeepseekV32Attention`` with the MLA projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerDeepseekV32RecomputeAttention(LigerDeepseekV32Attention):
     """``LigerDeepseekV32Attention`` keeping only the latents for backward (``recompute_attention=True``)."""
 

@@ -21,6 +21,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
     vocab_chunked_lce: bool = False,
     indexer: bool = True,
     recompute_attention: bool = False,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap the modules of GLM-5.x (``glm_moe_dsa``) for Liger kernels; liger-kernel's parameter order.
 
@@ -40,6 +41,10 @@ def apply_liger_kernel_to_glm_moe_dsa(
     False leaves it native. ``recompute_attention`` (keyword-only): ``LigerGlmMoeDsaRecomputeAttention``, which keeps
     only the latents for backward.
 
+    ``fp8`` (keyword-only, opt-in): the MLPs' and experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+    ``LigerFP8GroupedExperts``), and the MLA projections' where ``rope`` takes the Liger attention
+    (``LigerFP8GlmMoeDsaAttention``), as for ``apply_liger_kernel_to_deepseek_v3``. The indexer stays in its dtype.
+
     Returns:
         A ``PatchReport`` listing what was replaced, old -> new.
     """
@@ -54,6 +59,7 @@ def apply_liger_kernel_to_glm_moe_dsa(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         recompute_attention=recompute_attention,
+        fp8=fp8,
     )
     options.update(indexer=indexer)
     return apply_spec(GLM_MOE_DSA_SPEC, options, model)

@@ -21,6 +21,12 @@ class LigerGlmMoeDsaAttention(LigerDSAAttention, GlmMoeDsaAttention):
     returns_indices = True
 
 
+class LigerFP8GlmMoeDsaAttention(LigerGlmMoeDsaAttention):
+    """``LigerGlmMoeDsaAttention`` with the MLA projections' GEMMs in FP8 (``fp8=True``)."""
+
+    fp8 = True
+
+
 class LigerGlmMoeDsaRecomputeAttention(LigerGlmMoeDsaAttention):
     """``LigerGlmMoeDsaAttention`` keeping only the latents for backward (``recompute_attention=True``)."""
 
