@@ -5,7 +5,8 @@ queries over 3072 context + 8192 draft keys) about 15% of the [Q, K] tiles hold 
 such a mask as an additive bias and compute every tile. Here the mask is first reduced to a tile map (which
 [BLOCK, BLOCK] tiles hold any visible pair, a list of them per query tile and per key tile, full tiles first), and
 the kernels visit only those tiles. A full tile (every pair visible: most of a block's context) is computed without
-reading the mask or bounds; a partial tile reads its part of the mask:
+reading the mask or bounds; a partial tile reads its part of the mask. The programs with the longest lists launch
+first, and the heads of one tile side by side (they read the same key or query tiles):
 
 - forward: per (query tile, head), an online softmax over the listed key tiles; out and a log-sum-exp per row;
 - dq: per (query tile, head), ``scale * sum_t p_t (dO.v_t - delta) k_t`` over the same tiles;
@@ -78,9 +79,11 @@ class AttentionTiles(NamedTuple):
     key_tiles: torch.Tensor  # int32 [B, Q / query, K / key]: per query tile, its visible key tiles
     key_counts: torch.Tensor  # int32 [B, Q / query]
     key_full: torch.Tensor  # int32 [B, Q / query]: how many of them are full
+    key_order: torch.Tensor  # int32 [B, Q / query]: the query tiles by descending count (forward / dq launch order)
     query_tiles: torch.Tensor  # int32 [B, K / dkv_key, Q / dkv_query]: per key tile, its visible query tiles
     query_counts: torch.Tensor  # int32 [B, K / dkv_key]
     query_full: torch.Tensor  # int32 [B, K / dkv_key]
+    query_order: torch.Tensor  # int32 [B, K / dkv_key]: the key tiles by descending count (dk / dv launch order)
 
 
 def _pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -97,13 +100,16 @@ def _block_sums(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return blocks.sum(dim=(2, 4), dtype=torch.int32)
 
 
-def _lists(counts: torch.Tensor, tile_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lists(counts: torch.Tensor, tile_pairs: int) -> tuple[torch.Tensor, ...]:
     """Visible pairs per tile [B, R, C] -> (the indices of the full tiles, then of the partial ones, each ascending,
-    then the rest, [B, R, C] int32; the counts of visible tiles [B, R]; of full tiles [B, R])."""
+    then the rest, [B, R, C] int32; the counts of visible tiles [B, R]; of full tiles [B, R]; the rows by descending
+    count [B, R] int32). Launched longest first, the short programs fill the last wave."""
     visible, full = counts > 0, counts == tile_pairs
     rank = (~visible).to(torch.uint8) + (~full).to(torch.uint8)  # 0 full, 1 partial, 2 not visible
     order = torch.sort(rank, dim=-1, stable=True).indices
-    return order.to(torch.int32), visible.sum(dim=-1, dtype=torch.int32), full.sum(dim=-1, dtype=torch.int32)
+    visible_counts = visible.sum(dim=-1, dtype=torch.int32)
+    launch_order = torch.sort(visible_counts, dim=-1, descending=True, stable=True).indices
+    return order.to(torch.int32), visible_counts, full.sum(dim=-1, dtype=torch.int32), launch_order.to(torch.int32)
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
@@ -152,34 +158,41 @@ def _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, BY_KE
 
 
 @triton.jit
+def _key_value_descriptors(k_base, v_base, k_len, stride_ks, stride_vs, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """TMA descriptors of one key-value head's k and v [k_len, D]: a forward / dq program's key tiles are copied by
+    the tensor memory accelerator, rows past k_len read as zeros."""
+    k_desc = tl.make_tensor_descriptor(k_base, [k_len, HEAD_DIM], [stride_ks, 1], [BLOCK_K, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_base, [k_len, HEAD_DIM], [stride_vs, 1], [BLOCK_K, HEAD_DIM])
+    return k_desc, v_desc
+
+
+@triton.jit
 def _key_tile_scores(
-    key_tile, q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs, stride_mq, qk_scale,
+    key_tile, q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq,
     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(k, v, scores q.k [rows, keys], unscaled) of one key tile of a forward / dq program, -inf where a partial
-    tile's mask hides a pair."""
-    keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    key_ok = keys < k_len
-    k = _load_rows(k_base, keys, key_ok, stride_ks, dims, PARTIAL)
-    v = _load_rows(v_base, keys, key_ok, stride_vs, dims, PARTIAL)
+    tile's mask hides a pair (or its keys pass k_len)."""
+    k = k_desc.load([key_tile * BLOCK_K, 0])
+    v = v_desc.load([key_tile * BLOCK_K, 0])
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if PARTIAL:
-        scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, False)
+        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        scores = _hide_masked(scores, mask_base, rows, row_ok, keys, keys < k_len, stride_mq, False)
     return k, v, scores
 
 
 @triton.jit
 def _forward_visits(
-    acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
-    k_len, stride_ks, stride_vs, stride_mq, qk_scale,
-    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, start, end, rows, row_ok, k_len,
+    stride_mq, qk_scale, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The online softmax over the key tiles ``list_ptr[start:end]``. Full tiles (PARTIAL off) read neither the
     mask nor bounds."""
     for i in range(start, end):
         k, v, scores = _key_tile_scores(
-            tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
-            stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
+            tl.load(list_ptr + i), q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq, BLOCK_K, PARTIAL,
+            PRECISION,
         )  # fmt: skip
         new_max = tl.maximum(running_max, tl.max(scores, axis=1) * qk_scale)
         shift = new_max
@@ -198,22 +211,24 @@ _SIZES = ("q_len", "k_len", "num_heads", "groups", "list_len", "stride_mb", "str
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, order_ptr, out_ptr, lse_ptr,
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    q_tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    q_tile = tl.load(order_ptr + batch * tl.num_programs(0) + tl.program_id(0))
     kv_head = head // groups
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
     dims = tl.arange(0, HEAD_DIM)
     q = _load_rows(q_ptr + batch * stride_qb + head * stride_qh, rows, row_ok, stride_qs, dims, True)
-    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    k_desc, v_desc = _key_value_descriptors(
+        k_ptr + batch * stride_kb + kv_head * stride_kh, v_ptr + batch * stride_vb + kv_head * stride_vh, k_len,
+        stride_ks, stride_vs, BLOCK_K, HEAD_DIM,
+    )  # fmt: skip
     mask_base = mask_ptr + batch * stride_mb
     list_row = batch * tl.num_programs(0) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
@@ -224,12 +239,12 @@ def _masked_attention_forward_kernel(
     running_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     acc, running_max, running_sum = _forward_visits(
-        acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, 0, full, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+        acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, 0, full, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, False, PRECISION,
     )  # fmt: skip
     acc, running_max, running_sum = _forward_visits(
-        acc, running_max, running_sum, q, k_base, v_base, mask_base, list_ptr, full, count, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+        acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, full, count, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, True, PRECISION,
     )  # fmt: skip
     empty = running_sum == 0.0
     out = acc / tl.where(empty, 1.0, running_sum)[:, None]
@@ -245,15 +260,14 @@ def _masked_attention_forward_kernel(
 
 @triton.jit
 def _dq_visits(
-    acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, start, end, rows, row_ok, dims,
-    k_len, stride_ks, stride_vs, stride_mq, qk_scale,
-    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, start, end, rows, row_ok, k_len,
+    stride_mq, qk_scale, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc += sum over the key tiles ``list_ptr[start:end]`` of p (dO.v - delta) k."""
     for i in range(start, end):
         k, v, scores = _key_tile_scores(
-            tl.load(list_ptr + i), q, k_base, v_base, mask_base, rows, row_ok, dims, k_len, stride_ks, stride_vs,
-            stride_mq, qk_scale, BLOCK_K, PARTIAL, PRECISION,
+            tl.load(list_ptr + i), q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq, BLOCK_K, PARTIAL,
+            PRECISION,
         )  # fmt: skip
         p = tl.math.exp2(scores * qk_scale - lse2[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
@@ -264,16 +278,17 @@ def _dq_visits(
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_q_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, order_ptr, grad_out_ptr, lse_ptr, delta_ptr,
+    grad_q_ptr,
     q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq with q's strides; grad_out with the strides stride_o*."""
-    q_tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    q_tile = tl.load(order_ptr + batch * tl.num_programs(0) + tl.program_id(0))
     kv_head = head // groups
     rows = (q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)).to(tl.int64)
     row_ok = rows < q_len
@@ -284,8 +299,10 @@ def _masked_attention_dq_kernel(
     stats = (batch * num_heads + head) * q_len + rows
     lse2 = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
-    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    k_desc, v_desc = _key_value_descriptors(
+        k_ptr + batch * stride_kb + kv_head * stride_kh, v_ptr + batch * stride_vb + kv_head * stride_vh, k_len,
+        stride_ks, stride_vs, BLOCK_K, HEAD_DIM,
+    )  # fmt: skip
     mask_base = mask_ptr + batch * stride_mb
     list_row = batch * tl.num_programs(0) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
@@ -294,12 +311,12 @@ def _masked_attention_dq_kernel(
     qk_scale = scale * 1.4426950408889634
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     acc = _dq_visits(
-        acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, 0, full, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, 0, full, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, False, PRECISION,
     )  # fmt: skip
     acc = _dq_visits(
-        acc, q, grad_out, lse2, delta, k_base, v_base, mask_base, list_ptr, full, count, rows, row_ok, dims,
-        k_len, stride_ks, stride_vs, stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, full, count, rows, row_ok, k_len,
+        stride_mq, qk_scale, BLOCK_K, True, PRECISION,
     )  # fmt: skip
     grad_q_pointers = grad_q_ptr + q_offset + rows[:, None] * stride_qs + dims[None, :]
     tl.store(grad_q_pointers, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -334,17 +351,17 @@ def _dkv_visits(
 
 @triton.jit(do_not_specialize=_SIZES)
 def _masked_attention_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, grad_out_ptr, lse_ptr, delta_ptr, grad_k_ptr,
-    grad_v_ptr, q_len, k_len, num_heads, groups, list_len, scale,
+    q_ptr, k_ptr, v_ptr, mask_ptr, tiles_ptr, counts_ptr, full_ptr, order_ptr, grad_out_ptr, lse_ptr, delta_ptr,
+    grad_k_ptr, grad_v_ptr, q_len, k_len, num_heads, groups, list_len, scale,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ob, stride_oh, stride_os,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dk / dv of one key tile and key-value head, summed over every query head of its group in the program; dk
     has k's strides and dv v's."""
-    key_tile = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
+    key_tile = tl.load(order_ptr + batch * tl.num_programs(1) + tl.program_id(1))
     keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     key_ok = keys < k_len
     dims = tl.arange(0, HEAD_DIM)
@@ -353,7 +370,7 @@ def _masked_attention_dkv_kernel(
     k = tl.load(k_ptr + k_offsets, mask=key_ok[:, None], other=0.0)
     v = tl.load(v_ptr + v_offsets, mask=key_ok[:, None], other=0.0)
     mask_base = mask_ptr + batch * stride_mb
-    list_row = batch * tl.num_programs(0) + key_tile
+    list_row = batch * tl.num_programs(1) + key_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
     count = tl.load(counts_ptr + list_row)
@@ -412,6 +429,30 @@ def _dkv_meta(q, sizes: TileSizes) -> dict:
     return _meta(q, sizes.dkv_query, sizes.dkv_key, sizes.dkv_warps, sizes.dkv_stages)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the TMA descriptors the forward / dq programs make (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Give Triton an allocator for the descriptors' memory, unless the caller has set one (in this context)."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_descriptor_scratch)
+
+
+def _tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, H, T, D] if TMA can read it (its start and every stride but the last on 16 bytes), else a copy in
+    a fresh allocation. Checked inside the ops: a compiled graph knows no data pointer."""
+    size = t.element_size()
+    if t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """[B, Q, N, D]: what the output projection reads, flattened over the heads."""
     batch, heads, q_len, head_dim = q.shape
@@ -427,17 +468,20 @@ def _masked_attention(
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
     key_full: torch.Tensor,
+    key_order: torch.Tensor,
     sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Q, N, D], lse [B, N, Q] fp32); sizes = TileSizes."""
     batch, heads, q_len, _ = q.shape
+    k, v = _tma_readable(k), _tma_readable(v)
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     plane = mask[:, 0]
+    _ensure_descriptor_allocator()
     grid = (key_counts.shape[1], heads, batch)
     _masked_attention_forward_kernel[grid](
-        q, k, v, plane, key_tiles, key_counts, key_full, out, lse,
+        q, k, v, plane, key_tiles, key_counts, key_full, key_order, out, lse,
         q_len, k.shape[2], heads, heads // k.shape[1], key_tiles.shape[2], scale,
         *_strides(q, k, v, plane, out), **_forward_meta(q, TileSizes(*sizes)),
     )  # fmt: skip
@@ -445,14 +489,14 @@ def _masked_attention(
 
 
 @_masked_attention.register_fake
-def _(q, k, v, mask, key_tiles, key_counts, key_full, sizes, scale):
+def _(q, k, v, mask, key_tiles, key_counts, key_full, key_order, sizes, scale):
     batch, heads, q_len, _ = q.shape
     return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
 
 def _backward_arguments(q, k, v, mask, lists, grad_out, lse, delta, *grads, scale):
-    """(tensors, sizes, strides) of a backward kernel: its tile lists, counts and full counts, then the gradients
-    it writes (dq for the dq kernel, dk and dv for the dk / dv kernel)."""
+    """(tensors, sizes, strides) of a backward kernel: its tile lists, counts, full counts and launch order, then
+    the gradients it writes (dq for the dq kernel, dk and dv for the dk / dv kernel)."""
     plane = mask[:, 0]
     heads = q.shape[1]
     tensors = (q, k, v, plane, *lists, grad_out, lse, delta, *grads)
@@ -472,39 +516,44 @@ def _masked_attention_backward(
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
     key_full: torch.Tensor,
+    key_order: torch.Tensor,
     query_tiles: torch.Tensor,
     query_counts: torch.Tensor,
     query_full: torch.Tensor,
+    query_order: torch.Tensor,
     sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq like q, dk like k, dv like v); grad_out [B, Q, N, D]; sizes = TileSizes; delta [B, N, Q] fp32."""
     sizes = TileSizes(*sizes)
+    k, v = _tma_readable(k), _tma_readable(v)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    key_lists, query_lists = (key_tiles, key_counts, key_full), (query_tiles, query_counts, query_full)
+    key_lists = (key_tiles, key_counts, key_full, key_order)
+    query_lists = (query_tiles, query_counts, query_full, query_order)
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, grad_out, lse, delta, grad_q, scale=scale)
+    _ensure_descriptor_allocator()
     _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dq_meta(q, sizes)
     )
     tensors, scalars, strides = _backward_arguments(
         q, k, v, mask, query_lists, grad_out, lse, delta, grad_k, grad_v, scale=scale
     )
-    _masked_attention_dkv_kernel[(query_counts.shape[1], k.shape[1], q.shape[0])](
+    _masked_attention_dkv_kernel[(k.shape[1], query_counts.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dkv_meta(q, sizes)
     )
     return grad_q, grad_k, grad_v
 
 
 @_masked_attention_backward.register_fake
-def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, key_full, query_tiles, query_counts, query_full,
-      sizes, scale):  # fmt: skip
+def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, key_full, key_order, query_tiles, query_counts,
+      query_full, query_order, sizes, scale):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) -> None:
     """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
     out, delta as lse."""
-    key_lists, query_lists = tiles[1:4], tiles[4:7]
+    key_lists, query_lists = tiles[1:5], tiles[5:9]
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, out, lse, lse, q, scale=scale)
     precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_dq_meta(q, tiles.sizes))
     tensors, scalars, strides = _backward_arguments(q, k, v, mask, query_lists, out, lse, lse, k, v, scale=scale)
@@ -520,7 +569,7 @@ class LigerMaskedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, tiles: AttentionTiles, scale):
         sizes = list(tiles.sizes)
-        out, lse = _masked_attention(q, k, v, mask, *tiles[1:4], sizes, scale)
+        out, lse = _masked_attention(q, k, v, mask, *tiles[1:5], sizes, scale)
         if q.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
             _precompile_backward(q, k, v, mask, tiles, out, lse, scale)
         ctx.save_for_backward(q, k, v, mask, out, lse, *tiles[1:])

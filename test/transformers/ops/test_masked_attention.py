@@ -91,6 +91,36 @@ def test_random_mask_with_empty_rows_and_a_broadcast_batch(device, density):
     assert_matches(q, k, v, mask, 0.3, atol=2e-5, rtol=2e-5)
 
 
+def test_key_and_value_views_off_16_byte_steps_are_read_right(device):
+    """k with rows 17 floats apart and v starting one float into its storage: TMA cannot read either in place."""
+    mask = dspine_mask(batch=1, blocks=3, block_size=16, context=30).to(device)
+    q, k, v = make_qkv(1, 2, 1, mask.shape[2], mask.shape[3], 16, device, torch.float32, transposed=False)
+    wide = torch.zeros(*k.shape[:3], 17, device=device)
+    wide[..., :16] = k
+    shifted = torch.zeros(v.numel() + 1, device=device)
+    shifted[1:] = v.flatten()
+    k_view, v_view = wide[..., :16], shifted[1:].view(v.shape)
+    assert k_view.stride(2) == 17 and v_view.storage_offset() == 1
+    out = liger_masked_attention(q, k_view, v_view, mask, 0.25)
+    torch.testing.assert_close(out.float(), eager_masked_attention(q, k, v, mask, 0.25), atol=2e-5, rtol=2e-5)
+
+
+def test_a_triton_allocator_set_by_the_caller_is_kept(device):
+    from triton.runtime import _allocation
+
+    def caller_allocator(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    token = _allocation._allocator.set(caller_allocator)
+    try:
+        mask = dspine_mask(batch=1, blocks=2, block_size=16, context=20).to(device)
+        q, k, v = make_qkv(1, 2, 1, mask.shape[2], mask.shape[3], 16, device, torch.float32)
+        assert_matches(q, k, v, mask, 0.25, atol=2e-5, rtol=2e-5)
+        assert _allocation._allocator.get() is caller_allocator
+    finally:
+        _allocation._allocator.reset(token)
+
+
 def test_tiles_are_shared_and_checked(device):
     mask = dspine_mask(batch=2, blocks=4, block_size=16, context=20).to(device)
     q, k, v = make_qkv(2, 2, 1, mask.shape[2], mask.shape[3], 16, device, torch.float32)
@@ -141,6 +171,10 @@ def test_tile_lists_name_exactly_the_visible_tiles_full_first(density, sizes):
             assert tiles.query_tiles[b, col, :count].tolist() == expected
             assert int(tiles.query_full[b, col]) == full
             full_seen += full
+        for order, counts in ((tiles.key_order[b], tiles.key_counts[b]), (tiles.query_order[b], tiles.query_counts[b])):
+            # every tile launched once, the longest lists first, ties in tile order
+            expected = sorted(range(counts.shape[0]), key=lambda tile: (-int(counts[tile]), tile))
+            assert order.tolist() == expected
     assert full_seen > 0
 
 
