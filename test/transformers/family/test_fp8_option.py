@@ -205,6 +205,21 @@ def test_fp8_at_class_level_builds_fp8_modules_and_reverts():
     assert not mlps_and_experts(model)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "youtu", "dots1", "mistral3", "glm_moe_dsa"])
+def test_fp8_at_class_level_on_a_family_model_builds_fp8_modules_and_reverts(model_type):
+    case = CASES[model_type]
+    case.modeling_or_skip()
+    experts = model_type not in DENSE_MLA_MODELS
+    expected = {LigerFP8SwiGLUMLP, LigerFP8GroupedExperts} if experts else {LigerFP8SwiGLUMLP}
+    case.apply_fn()(fp8=True)
+    try:
+        model = case.build()
+        assert {type(m) for m in mlps_and_experts(model)} == expected
+    finally:
+        case.revert_fn()()
+    assert not mlps_and_experts(case.build())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "youtu"])
 def test_fp8_trains_a_bf16_model_on_cuda_close_to_the_bf16_patch(model_type):
