@@ -23,6 +23,7 @@ def apply_liger_kernel_to_deepseek_v4(
     vocab_chunked_lce: bool = False,
     hyper_connections: bool = True,
     indexer: bool = True,
+    fp8: bool = False,
 ) -> patching.PatchReport:
     """Swap DeepSeek-V4's modules for Liger kernels; liger-kernel's parameter order.
 
@@ -56,6 +57,9 @@ def apply_liger_kernel_to_deepseek_v4(
         indexer: (keyword-only) ``DeepseekV4IndexerScorer`` -> ``LigerDeepseekV4IndexerScorer``: the CSA indexer's
             scores in one fused kernel, without the fp32 [B, S, index heads, S / rate] tensor (the indexer's
             compressor, RoPE, mask and top-k stay native).
+        fp8: (keyword-only, opt-in) the clamped MLPs' and routed experts' GEMMs in FP8 (``LigerFP8SwiGLUMLP``,
+            ``LigerFP8GroupedExperts``), as for ``apply_liger_kernel_to_deepseek_v3``; needs ``swiglu`` and
+            ``grouped_experts``. The attention, its projections and the compressors stay in their dtype.
         model: None patches the transformers classes; a built DeepSeek-V4 model patches only that instance.
 
     The key-value head's norm and RoPE and the compressors stay native.
@@ -73,8 +77,10 @@ def apply_liger_kernel_to_deepseek_v4(
         moe_router=moe_router,
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
+        fp8=fp8,
     )
-    options.update(hyper_connections=hyper_connections, indexer=indexer)
+    # the FP8 projections are MLA's: DeepSeek-V4's attention keeps the bf16 swap
+    options.update(rope=rope, fp8_rope=False, hyper_connections=hyper_connections, indexer=indexer)
     return apply_spec(DEEPSEEK_V4_SPEC, options, model)
 
 

@@ -37,8 +37,14 @@ DEEPSEEK_V4_SPEC = PatchSpec(
     swaps=(
         ClassSwap("rms_norm", ("DeepseekV4RMSNorm",), "liger_dspine.models.deepseek_v4.modules:LigerDeepseekV4RMSNorm"),
         ClassSwap("swiglu", ("DeepseekV4MLP",), "liger_dspine.modules.swiglu:LigerSwiGLUMLP"),
+        ClassSwap("fp8_swiglu", ("DeepseekV4MLP",), "liger_dspine.modules.swiglu:LigerFP8SwiGLUMLP"),
         ClassSwap(
             "grouped_experts", ("DeepseekV4Experts",), "liger_dspine.modules.grouped_experts:LigerGroupedExperts"
+        ),
+        ClassSwap(
+            "fp8_grouped_experts",
+            ("DeepseekV4Experts",),
+            "liger_dspine.modules.grouped_experts:LigerFP8GroupedExperts",
         ),
         ClassSwap("moe_router", ("DeepseekV4TopKRouter",), f"{ROUTERS}:LigerDeepseekV4TopKRouter"),
         ClassSwap("moe_router", ("DeepseekV4HashRouter",), f"{ROUTERS}:LigerDeepseekV4HashRouter"),
