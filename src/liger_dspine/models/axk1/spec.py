@@ -10,5 +10,4 @@ AXK1_SPEC = v3_like_spec(
     "AXK1",
     mla_classes="liger_dspine.models.axk1.modules",
     router_classes="liger_dspine.models.axk1.modules",
-    fp8_attention=True,
 )

@@ -44,14 +44,13 @@ def mla_model_spec(
     route_method: str | None = None,
     router_optional: bool = False,
     forwards: str = CAUSAL_LM_FORWARDS,
-    fp8_attention: bool = False,
 ) -> PatchSpec:
     """The swaps of ``<prefix>RMSNorm``, ``<prefix>MLP``, ``<prefix>Attention`` (MLA) and, with a ``moe_block``
     class name, ``<prefix>Experts`` and ``<prefix>TopkRouter``, of ``modeling``.
 
     Args:
-        modules: the module defining ``Liger<prefix>Attention``, ``Liger<prefix>RecomputeAttention`` and
-            ``Liger<prefix>TopkRouter``.
+        modules: the module defining ``Liger<prefix>Attention``, ``Liger<prefix>RecomputeAttention``,
+            ``LigerFP8<prefix>Attention`` and ``Liger<prefix>TopkRouter``.
         moe_block: the MoE block class; None for a dense model.
         route_method: ``"module:function"`` replacing ``<moe_block>.route_tokens_to_experts`` where a transformers
             version routes in the MoE block.
@@ -79,9 +78,8 @@ def mla_model_spec(
     swaps += [
         ClassSwap("rope", (f"{prefix}Attention",), f"{modules}:Liger{prefix}Attention"),
         ClassSwap("recompute_attention", (f"{prefix}Attention",), f"{modules}:Liger{prefix}RecomputeAttention"),
+        ClassSwap("fp8_rope", (f"{prefix}Attention",), f"{modules}:LigerFP8{prefix}Attention"),
     ]
-    if fp8_attention:  # ``modules`` also defines LigerFP8<prefix>Attention
-        swaps.append(ClassSwap("fp8_rope", (f"{prefix}Attention",), f"{modules}:LigerFP8{prefix}Attention"))
     if moe_block is not None:
         swaps.append(
             ClassSwap(
@@ -114,5 +112,4 @@ DEEPSEEK_V2_SPEC = mla_model_spec(
     moe_block="DeepseekV2Moe",
     route_method="liger_dspine.models.deepseek_v2.router:liger_deepseek_v2_route_tokens_to_experts",
     router_optional=True,
-    fp8_attention=True,
 )

@@ -110,11 +110,13 @@ def v3_options(
     recompute_attention: bool = False,
     fp8: bool = False,
     routed_experts: bool = True,
+    fp8_attention: bool = True,
 ) -> dict[str, bool]:
     """The public options of DeepSeek-V3's apply function (and of the models built from its classes), checked
     against each other and resolved into one flag per swap of the spec: at most one enabled swap per target.
 
-    ``routed_experts`` False: a dense model (no experts options, nothing for ``fp8`` to require of them)."""
+    ``routed_experts`` False: a dense model (no experts options, nothing for ``fp8`` to require of them).
+    ``fp8_attention`` False: the spec's ``rope`` attention has no FP8 class, and keeps its bf16 swap under ``fp8``."""
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError(
             "liger-dspine: cross_entropy and fused_linear_cross_entropy cannot both be True: choose one loss path"
@@ -139,8 +141,8 @@ def v3_options(
             "swiglu=True and grouped_experts=True, and fused_experts=False (liger-kernel's fused MoE has no FP8 path)"
         )
     return dict(
-        rope=rope and not recompute_attention and not fp8,
-        fp8_rope=rope and fp8,
+        rope=rope and not recompute_attention and not (fp8 and fp8_attention),
+        fp8_rope=rope and fp8 and fp8_attention,
         recompute_attention=recompute_attention,
         cross_entropy=cross_entropy,
         fused_linear_cross_entropy=fused_linear_cross_entropy and not vocab_chunked_lce,

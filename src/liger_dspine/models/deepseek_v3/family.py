@@ -59,12 +59,12 @@ def v3_like_spec(
     causal_lm_module: str | None = None,
     base_class: str | None = None,
     forwards: str = CAUSAL_LM_FORWARDS,
-    fp8_attention: bool = False,
 ) -> PatchSpec:
     """DeepSeek-V3's swaps for the classes ``<prefix>RMSNorm``, ``<prefix>MLP``, ... of ``modeling``.
 
     Args:
-        mla_classes: the module defining ``Liger<prefix>Attention`` and ``Liger<prefix>RecomputeAttention``; None
+        mla_classes: the module defining ``Liger<prefix>Attention``, ``Liger<prefix>RecomputeAttention`` and
+            ``LigerFP8<prefix>Attention``; None
             when the model's attention is not DeepSeek-V3's MLA (it stays native).
         router_classes: the module defining ``Liger<prefix>TopkRouter``; None for a dense model (no router, no
             routed experts).
@@ -72,7 +72,6 @@ def v3_like_spec(
             ``causal_lm_module`` (``modeling`` by default).
         base_class: ``"module:Class"`` an instance patch accepts (``<prefix>PreTrainedModel`` of ``modeling``).
         forwards: the module defining ``lce_forward``, ``lce_forward_vocab_chunked`` and ``ce_forward``.
-        fp8_attention: ``mla_classes`` also defines ``LigerFP8<prefix>Attention`` (``fp8=True``).
     """
     swaps = [
         ClassSwap("rms_norm", (f"{prefix}RMSNorm",), "liger_dspine.modules.rms_norm:LigerRMSNorm"),
@@ -95,9 +94,8 @@ def v3_like_spec(
         swaps += [
             ClassSwap("rope", (f"{prefix}Attention",), f"{mla_classes}:Liger{prefix}Attention"),
             ClassSwap("recompute_attention", (f"{prefix}Attention",), f"{mla_classes}:Liger{prefix}RecomputeAttention"),
+            ClassSwap("fp8_rope", (f"{prefix}Attention",), f"{mla_classes}:LigerFP8{prefix}Attention"),
         ]
-        if fp8_attention:
-            swaps.append(ClassSwap("fp8_rope", (f"{prefix}Attention",), f"{mla_classes}:LigerFP8{prefix}Attention"))
     if router_classes is not None:
         swaps += [
             ClassSwap("moe_router", (f"{prefix}TopkRouter",), f"{router_classes}:Liger{prefix}TopkRouter"),

@@ -20,5 +20,4 @@ DEEPSEEK_V3_SPEC = v3_like_spec(
     "DeepseekV3",
     mla_classes="liger_dspine.models.deepseek_v3.attention",
     router_classes="liger_dspine.models.deepseek_v3.router",
-    fp8_attention=True,
 )

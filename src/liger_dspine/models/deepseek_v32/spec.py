@@ -20,7 +20,6 @@ _V3_LIKE = v3_like_spec(
     "DeepseekV32",
     mla_classes="liger_dspine.models.deepseek_v32.modules",
     router_classes="liger_dspine.models.deepseek_v32.modules",
-    fp8_attention=True,
 )
 DEEPSEEK_V32_SPEC = dataclasses.replace(
     _V3_LIKE,

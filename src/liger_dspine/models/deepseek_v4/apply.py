@@ -78,9 +78,9 @@ def apply_liger_kernel_to_deepseek_v4(
         grouped_experts=grouped_experts,
         vocab_chunked_lce=vocab_chunked_lce,
         fp8=fp8,
+        fp8_attention=False,  # the FP8 projections are MLA's: DeepSeek-V4's attention keeps the bf16 swap
     )
-    # the FP8 projections are MLA's: DeepSeek-V4's attention keeps the bf16 swap
-    options.update(rope=rope, fp8_rope=False, hyper_connections=hyper_connections, indexer=indexer)
+    options.update(hyper_connections=hyper_connections, indexer=indexer)
     return apply_spec(DEEPSEEK_V4_SPEC, options, model)
 
 

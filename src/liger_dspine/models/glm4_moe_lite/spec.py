@@ -10,5 +10,4 @@ GLM4_MOE_LITE_SPEC = v3_like_spec(
     "Glm4MoeLite",
     mla_classes="liger_dspine.models.glm4_moe_lite.modules",
     router_classes="liger_dspine.models.glm4_moe_lite.modules",
-    fp8_attention=True,
 )

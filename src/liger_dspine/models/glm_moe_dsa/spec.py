@@ -22,7 +22,6 @@ _V3_LIKE = v3_like_spec(
     "GlmMoeDsa",
     mla_classes="liger_dspine.models.glm_moe_dsa.modules",
     router_classes="liger_dspine.models.glm_moe_dsa.modules",
-    fp8_attention=True,
 )
 GLM_MOE_DSA_SPEC = dataclasses.replace(
     _V3_LIKE,

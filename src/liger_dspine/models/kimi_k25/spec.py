@@ -25,5 +25,4 @@ KIMI_K25_SPEC = v3_like_spec(
     causal_lm_module=MODELING,
     base_class=f"{MODELING}:Kimi_K25PreTrainedModel",
     forwards="liger_dspine.models.kimi_k25.forward",
-    fp8_attention=True,
 )

@@ -13,5 +13,4 @@ MINICPM3_SPEC = mla_model_spec(
     modules="liger_dspine.models.minicpm3.modules",
     moe_block=None,
     forwards="liger_dspine.models.minicpm3.forward",
-    fp8_attention=True,
 )

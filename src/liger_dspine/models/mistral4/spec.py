@@ -14,5 +14,4 @@ MISTRAL4_SPEC = mla_model_spec(
     moe_block="Mistral4MoE",
     # transformers < 5.13 selects the experts in the MoE block
     route_method="liger_dspine.models.deepseek_v2.router:liger_top2_route_tokens_to_experts",
-    fp8_attention=True,
 )

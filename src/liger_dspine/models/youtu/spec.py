@@ -10,5 +10,4 @@ YOUTU_SPEC = v3_like_spec(
     "Youtu",
     mla_classes="liger_dspine.models.youtu.modules",
     router_classes=None,
-    fp8_attention=True,
 )
