@@ -1,4 +1,4 @@
-"""``fp8=True`` of the family's patches (MLA models, the dense MLA models, the GQA MoE models): which modules it
+"""``fp8=True`` of the family's patches (MLA, DSA, dense MLA, GQA MoE models and DeepSeek-V4): which modules it
 swaps, that their GEMMs run on FP8 operands (the reference path on a CPU), its refusals, and a training step against
 native.
 
@@ -59,6 +59,12 @@ def mlps_and_experts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (LigerSwiGLUMLP, LigerGroupedExperts))]
 
 
+def patched_kinds(model_type: str, fp8: bool) -> set[type]:
+    """The classes of the MLPs and experts the patch builds: no experts in a dense model."""
+    mlp, experts = (LigerFP8SwiGLUMLP, LigerFP8GroupedExperts) if fp8 else (LigerSwiGLUMLP, LigerGroupedExperts)
+    return {mlp} if model_type in DENSE_MLA_MODELS else {mlp, experts}
+
+
 DENSE_MLA_MODELS = ["youtu", "minicpm3"]  # no routed experts
 MLA_MODELS = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k25", "axk1", "mistral4", "mistral3"]
 MLA_MODELS += DENSE_MLA_MODELS
@@ -75,10 +81,8 @@ def test_fp8_swaps_the_mlps_and_experts_and_trains_close_to_native(model_type):
     report = apply(model=fp8_patched, fp8=True)
     experts = model_type not in DENSE_MLA_MODELS
     assert "LigerFP8SwiGLUMLP" in str(report) and ("LigerFP8GroupedExperts" in str(report)) == experts
-    kinds = {type(m) for m in mlps_and_experts(fp8_patched)}
-    assert kinds == ({LigerFP8SwiGLUMLP, LigerFP8GroupedExperts} if experts else {LigerFP8SwiGLUMLP})
-    bf16_kinds = {type(m) for m in mlps_and_experts(bf16_patched)}
-    assert bf16_kinds == ({LigerSwiGLUMLP, LigerGroupedExperts} if experts else {LigerSwiGLUMLP})
+    assert {type(m) for m in mlps_and_experts(fp8_patched)} == patched_kinds(model_type, fp8=True)
+    assert {type(m) for m in mlps_and_experts(bf16_patched)} == patched_kinds(model_type, fp8=False)
     # the attention is the bf16 patch's class with fp8 on; the rest of the patch is the bf16 one's
     swapped = set()
     for fp8_module, bf16_module in zip(fp8_patched.modules(), bf16_patched.modules(), strict=True):
@@ -211,12 +215,10 @@ def test_fp8_at_class_level_builds_fp8_modules_and_reverts():
 def test_fp8_at_class_level_on_a_family_model_builds_fp8_modules_and_reverts(model_type):
     case = CASES[model_type]
     case.modeling_or_skip()
-    experts = model_type not in DENSE_MLA_MODELS
-    expected = {LigerFP8SwiGLUMLP, LigerFP8GroupedExperts} if experts else {LigerFP8SwiGLUMLP}
     case.apply_fn()(fp8=True)
     try:
         model = case.build()
-        assert {type(m) for m in mlps_and_experts(model)} == expected
+        assert {type(m) for m in mlps_and_experts(model)} == patched_kinds(model_type, fp8=True)
     finally:
         case.revert_fn()()
     assert not mlps_and_experts(case.build())
