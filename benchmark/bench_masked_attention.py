@@ -19,7 +19,7 @@ candidates with the dk / dv kernel fixed, then the dk / dv candidates), checks e
 output, and writes masked_attention_sweep.csv / .md.
 
     python benchmark/bench_masked_attention.py [--anchors 512] [--context 3072] [--baseline FILE] [--sweep]
-        [--replot CSV]
+        [--sweep-groups forward/dq,dk/dv] [--name NAME] [--replot CSV]
 """
 
 import argparse
@@ -190,7 +190,7 @@ def sweep_candidates(default) -> list[tuple[str, object]]:
     return candidates
 
 
-def sweep(anchors: int, context: int) -> list[dict]:
+def sweep(anchors: int, context: int, groups: tuple[str, ...] = ("forward/dq", "dk/dv")) -> list[dict]:
     import torch
 
     from liger_dspine.ops import masked_attention as ops
@@ -218,6 +218,8 @@ def sweep(anchors: int, context: int) -> list[dict]:
     _, _, _, reference = run(default)
     rows = []
     for group, sizes in sweep_candidates(default):
+        if group not in groups:
+            continue
         row = dict(group=group, **sizes._asdict())
         try:
             tiles, forward, backward, results = run(sizes)
@@ -243,11 +245,11 @@ def sweep(anchors: int, context: int) -> list[dict]:
     return rows
 
 
-def write_sweep(rows: list[dict]) -> None:
+def write_sweep(rows: list[dict], name: str = "masked_attention_sweep") -> None:
     columns = sorted({key for row in rows for key in row}, key=lambda key: list(rows[0]).index(key) if key in rows[0]
                      else len(rows[0]))  # fmt: skip
     os.makedirs(DATA, exist_ok=True)
-    with open(os.path.join(DATA, "masked_attention_sweep.csv"), "w", newline="") as f:
+    with open(os.path.join(DATA, f"{name}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
@@ -264,7 +266,7 @@ def write_sweep(rows: list[dict]) -> None:
             f"| {r['group']} | {tiles} | {launch} | {r['forward_ms']} | {r['backward_ms']} | {r['forward_tflops']} | "
             f"{r['backward_tflops']} | {r['max_relative_error']} |"
         )
-    with open(os.path.join(DATA, "masked_attention_sweep.md"), "w") as f:
+    with open(os.path.join(DATA, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -322,6 +324,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=3072)
     parser.add_argument("--baseline", help="another version of ops/masked_attention.py, measured beside this one")
     parser.add_argument("--sweep", action="store_true", help="time the candidate tile sizes and launch settings")
+    parser.add_argument("--sweep-groups", default="forward/dq,dk/dv", help="the sweep's kernels: forward/dq, dk/dv")
+    parser.add_argument("--name", help="the output files' name (default masked_attention, masked_attention_sweep)")
     parser.add_argument("--replot", help="redraw the plot and table from this CSV")
     args, _ = parser.parse_known_args()
     if args.replot:
@@ -330,9 +334,13 @@ def main() -> None:
         write(rows)
         return
     if args.sweep:
-        write_sweep(sweep(args.anchors, args.context))
+        groups = tuple(group for group in args.sweep_groups.split(",") if group)
+        unknown = set(groups) - {"forward/dq", "dk/dv"}
+        if unknown:
+            parser.error(f"--sweep-groups: unknown {sorted(unknown)}; the groups are forward/dq and dk/dv")
+        write_sweep(sweep(args.anchors, args.context, groups), args.name or "masked_attention_sweep")
         return
-    write(measure(args.anchors, args.context, args.baseline))
+    write(measure(args.anchors, args.context, args.baseline), args.name or "masked_attention")
 
 
 if __name__ == "__main__":

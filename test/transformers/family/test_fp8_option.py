@@ -225,10 +225,10 @@ def test_fp8_at_class_level_on_a_family_model_builds_fp8_modules_and_reverts(mod
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "youtu"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "youtu", "deepseek_v4"])
 def test_fp8_trains_a_bf16_model_on_cuda_close_to_the_bf16_patch(model_type):
-    """The CUDA FP8 GEMMs (torch's scaled matmuls, the Triton quantisers) in an MLA MoE, a GQA MoE and a dense MLA
-    model, against the bf16 patch of the same bf16 weights."""
+    """The CUDA FP8 GEMMs (torch's scaled matmuls, the Triton quantisers) in an MLA MoE, a GQA MoE, a dense MLA
+    model and DeepSeek-V4 (its clamped MLPs and experts), against the bf16 patch of the same bf16 weights."""
     if torch.cuda.get_device_capability() not in ((9, 0), (10, 0)):
         pytest.skip("the FP8 grouped GEMMs run on compute capability 9.0 / 10.0")
     if model_type == "deepseek_v3":
