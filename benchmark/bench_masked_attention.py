@@ -204,7 +204,7 @@ def sweep(anchors: int, context: int, groups: tuple[str, ...] = ("forward/dq", "
         listed = list(sizes)
 
         def forward():
-            return ops._masked_attention(q, k, v, mask, *tiles[1:4], listed, scale)
+            return ops._masked_attention(q, k, v, mask, *tiles[1:5], listed, scale)  # key_tiles .. key_order
 
         out, lse = forward()
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()

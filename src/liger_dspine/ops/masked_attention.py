@@ -5,8 +5,9 @@ queries over 3072 context + 8192 draft keys) about 15% of the [Q, K] tiles hold 
 such a mask as an additive bias and compute every tile. Here the mask is first reduced to a tile map (which
 [BLOCK, BLOCK] tiles hold any visible pair, a list of them per query tile and per key tile, full tiles first), and
 the kernels visit only those tiles. A full tile (every pair visible: most of a block's context) is computed without
-reading the mask or bounds; a partial tile reads its part of the mask. The programs with the longest lists launch
-first, and the heads of one tile side by side (they read the same key or query tiles):
+reading the mask or bounds; a partial tile's part of the mask is copied by TMA (as a uint8 plane whose rows start on
+16 bytes). The programs with the longest lists launch first, and the heads of one tile side by side (they read the
+same key or query tiles):
 
 - forward: per (query tile, head), an online softmax over the listed key tiles; out and a log-sum-exp per row;
 - dq: per (query tile, head), ``scale * sum_t p_t (dO.v_t - delta) k_t`` over the same tiles;
@@ -146,18 +147,6 @@ def _load_stats(pointers, row_ok, other, PARTIAL: tl.constexpr):
 
 
 @triton.jit
-def _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, BY_KEY: tl.constexpr):
-    """-inf where the mask is False or out of range; scores are [rows, keys], or [keys, rows] if BY_KEY."""
-    if BY_KEY:
-        inside = key_ok[:, None] & row_ok[None, :]
-        visible = tl.load(mask_base + rows[None, :] * stride_mq + keys[:, None], mask=inside, other=0) != 0
-    else:
-        inside = row_ok[:, None] & key_ok[None, :]
-        visible = tl.load(mask_base + rows[:, None] * stride_mq + keys[None, :], mask=inside, other=0) != 0
-    return tl.where(visible, scores, float("-inf"))
-
-
-@triton.jit
 def _key_value_descriptors(k_base, v_base, k_len, stride_ks, stride_vs, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr):
     """TMA descriptors of one key-value head's k and v [k_len, D]: a forward / dq program's key tiles are copied by
     the tensor memory accelerator, rows past k_len read as zeros."""
@@ -167,33 +156,39 @@ def _key_value_descriptors(k_base, v_base, k_len, stride_ks, stride_vs, BLOCK_K:
 
 
 @triton.jit
+def _mask_descriptor(mask_base, q_len, k_len, stride_mq, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """TMA descriptor of one batch row's mask [q_len, k_len] (uint8): a partial tile's part of it is copied by the
+    tensor memory accelerator with its key and value tiles, pairs out of range read as 0 (hidden)."""
+    return tl.make_tensor_descriptor(mask_base, [q_len, k_len], [stride_mq, 1], [BLOCK_Q, BLOCK_K])
+
+
+@triton.jit
 def _key_tile_scores(
-    key_tile, q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq,
+    key_tile, q, k_desc, v_desc, mask_desc, row_start,
     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(k, v, scores q.k [rows, keys], unscaled) of one key tile of a forward / dq program, -inf where a partial
-    tile's mask hides a pair (or its keys pass k_len)."""
+    tile's mask hides a pair (or the pair is out of range)."""
     k = k_desc.load([key_tile * BLOCK_K, 0])
     v = v_desc.load([key_tile * BLOCK_K, 0])
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if PARTIAL:
-        keys = (key_tile * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-        scores = _hide_masked(scores, mask_base, rows, row_ok, keys, keys < k_len, stride_mq, False)
+        visible = mask_desc.load([row_start, key_tile * BLOCK_K])
+        scores = tl.where(visible != 0, scores, float("-inf"))
     return k, v, scores
 
 
 @triton.jit
 def _forward_visits(
-    acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, start, end, rows, row_ok, k_len,
-    stride_mq, qk_scale, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc, running_max, running_sum, q, k_desc, v_desc, mask_desc, list_ptr, start, end, row_start, qk_scale,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The online softmax over the key tiles ``list_ptr[start:end]``. Full tiles (PARTIAL off) read neither the
     mask nor bounds."""
     for i in range(start, end):
         k, v, scores = _key_tile_scores(
-            tl.load(list_ptr + i), q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq, BLOCK_K, PARTIAL,
-            PRECISION,
-        )  # fmt: skip
+            tl.load(list_ptr + i), q, k_desc, v_desc, mask_desc, row_start, BLOCK_K, PARTIAL, PRECISION
+        )
         new_max = tl.maximum(running_max, tl.max(scores, axis=1) * qk_scale)
         shift = new_max
         if PARTIAL:
@@ -229,7 +224,7 @@ def _masked_attention_forward_kernel(
         k_ptr + batch * stride_kb + kv_head * stride_kh, v_ptr + batch * stride_vb + kv_head * stride_vh, k_len,
         stride_ks, stride_vs, BLOCK_K, HEAD_DIM,
     )  # fmt: skip
-    mask_base = mask_ptr + batch * stride_mb
+    mask_desc = _mask_descriptor(mask_ptr + batch * stride_mb, q_len, k_len, stride_mq, BLOCK_Q, BLOCK_K)
     list_row = batch * tl.num_programs(0) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
@@ -239,12 +234,12 @@ def _masked_attention_forward_kernel(
     running_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     acc, running_max, running_sum = _forward_visits(
-        acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, 0, full, rows, row_ok, k_len,
-        stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+        acc, running_max, running_sum, q, k_desc, v_desc, mask_desc, list_ptr, 0, full, q_tile * BLOCK_Q, qk_scale,
+        BLOCK_K, False, PRECISION,
     )  # fmt: skip
     acc, running_max, running_sum = _forward_visits(
-        acc, running_max, running_sum, q, k_desc, v_desc, mask_base, list_ptr, full, count, rows, row_ok, k_len,
-        stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+        acc, running_max, running_sum, q, k_desc, v_desc, mask_desc, list_ptr, full, count, q_tile * BLOCK_Q,
+        qk_scale, BLOCK_K, True, PRECISION,
     )  # fmt: skip
     empty = running_sum == 0.0
     out = acc / tl.where(empty, 1.0, running_sum)[:, None]
@@ -260,15 +255,14 @@ def _masked_attention_forward_kernel(
 
 @triton.jit
 def _dq_visits(
-    acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, start, end, rows, row_ok, k_len,
-    stride_mq, qk_scale, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_desc, list_ptr, start, end, row_start, qk_scale,
+    BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """acc += sum over the key tiles ``list_ptr[start:end]`` of p (dO.v - delta) k."""
     for i in range(start, end):
         k, v, scores = _key_tile_scores(
-            tl.load(list_ptr + i), q, k_desc, v_desc, mask_base, rows, row_ok, k_len, stride_mq, BLOCK_K, PARTIAL,
-            PRECISION,
-        )  # fmt: skip
+            tl.load(list_ptr + i), q, k_desc, v_desc, mask_desc, row_start, BLOCK_K, PARTIAL, PRECISION
+        )
         p = tl.math.exp2(scores * qk_scale - lse2[:, None])
         grad_p = tl.dot(grad_out, tl.trans(v), input_precision=PRECISION)
         grad_scores = p * (grad_p - delta[:, None])
@@ -303,7 +297,7 @@ def _masked_attention_dq_kernel(
         k_ptr + batch * stride_kb + kv_head * stride_kh, v_ptr + batch * stride_vb + kv_head * stride_vh, k_len,
         stride_ks, stride_vs, BLOCK_K, HEAD_DIM,
     )  # fmt: skip
-    mask_base = mask_ptr + batch * stride_mb
+    mask_desc = _mask_descriptor(mask_ptr + batch * stride_mb, q_len, k_len, stride_mq, BLOCK_Q, BLOCK_K)
     list_row = batch * tl.num_programs(0) + q_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
@@ -311,12 +305,12 @@ def _masked_attention_dq_kernel(
     qk_scale = scale * 1.4426950408889634
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     acc = _dq_visits(
-        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, 0, full, rows, row_ok, k_len,
-        stride_mq, qk_scale, BLOCK_K, False, PRECISION,
+        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_desc, list_ptr, 0, full, q_tile * BLOCK_Q, qk_scale,
+        BLOCK_K, False, PRECISION,
     )  # fmt: skip
     acc = _dq_visits(
-        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_base, list_ptr, full, count, rows, row_ok, k_len,
-        stride_mq, qk_scale, BLOCK_K, True, PRECISION,
+        acc, q, grad_out, lse2, delta, k_desc, v_desc, mask_desc, list_ptr, full, count, q_tile * BLOCK_Q,
+        qk_scale, BLOCK_K, True, PRECISION,
     )  # fmt: skip
     grad_q_pointers = grad_q_ptr + q_offset + rows[:, None] * stride_qs + dims[None, :]
     tl.store(grad_q_pointers, (acc * scale).to(grad_q_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -324,9 +318,8 @@ def _masked_attention_dq_kernel(
 
 @triton.jit
 def _dkv_visits(
-    grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_base, list_ptr, start, end, keys,
-    key_ok, dims, q_len, stride_qs, stride_os, stride_mq, qk_scale,
-    BLOCK_Q: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_desc, list_ptr, start, end, key_start,
+    dims, q_len, stride_qs, stride_os, qk_scale, BLOCK_Q: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dv += p^T dO and dk += (p (dO.v - delta))^T q over the query tiles ``list_ptr[start:end]`` of one query
     head; tiles are [keys, rows], so q and dO are only right operands."""
@@ -340,7 +333,8 @@ def _dkv_visits(
         delta = _load_stats(delta_base + rows, row_ok, 0.0, PARTIAL)
         scores = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if PARTIAL:
-            scores = _hide_masked(scores, mask_base, rows, row_ok, keys, key_ok, stride_mq, True)
+            visible = tl.trans(mask_desc.load([query_tile * BLOCK_Q, key_start]))
+            scores = tl.where(visible != 0, scores, float("-inf"))
         p = tl.math.exp2(scores * qk_scale - lse2[None, :])
         grad_v += tl.dot(p.to(grad_out.dtype), grad_out, input_precision=PRECISION)
         grad_p = tl.dot(v, tl.trans(grad_out), input_precision=PRECISION)
@@ -369,7 +363,7 @@ def _masked_attention_dkv_kernel(
     v_offsets = batch * stride_vb + kv_head * stride_vh + keys[:, None] * stride_vs + dims[None, :]
     k = tl.load(k_ptr + k_offsets, mask=key_ok[:, None], other=0.0)
     v = tl.load(v_ptr + v_offsets, mask=key_ok[:, None], other=0.0)
-    mask_base = mask_ptr + batch * stride_mb
+    mask_desc = _mask_descriptor(mask_ptr + batch * stride_mb, q_len, k_len, stride_mq, BLOCK_Q, BLOCK_K)
     list_row = batch * tl.num_programs(1) + key_tile
     list_ptr = tiles_ptr + list_row * list_len
     full = tl.load(full_ptr + list_row)
@@ -384,12 +378,12 @@ def _masked_attention_dkv_kernel(
         lse_base = lse_ptr + (batch * num_heads + head) * q_len
         delta_base = delta_ptr + (batch * num_heads + head) * q_len
         grad_k, grad_v = _dkv_visits(
-            grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_base, list_ptr, 0, full, keys,
-            key_ok, dims, q_len, stride_qs, stride_os, stride_mq, qk_scale, BLOCK_Q, False, PRECISION,
+            grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_desc, list_ptr, 0, full,
+            key_tile * BLOCK_K, dims, q_len, stride_qs, stride_os, qk_scale, BLOCK_Q, False, PRECISION,
         )  # fmt: skip
         grad_k, grad_v = _dkv_visits(
-            grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_base, list_ptr, full, count, keys,
-            key_ok, dims, q_len, stride_qs, stride_os, stride_mq, qk_scale, BLOCK_Q, True, PRECISION,
+            grad_k, grad_v, k, v, q_base, grad_out_base, lse_base, delta_base, mask_desc, list_ptr, full, count,
+            key_tile * BLOCK_K, dims, q_len, stride_qs, stride_os, qk_scale, BLOCK_Q, True, PRECISION,
         )  # fmt: skip
     tl.store(grad_k_ptr + k_offsets, (grad_k * scale).to(grad_k_ptr.dtype.element_ty), mask=key_ok[:, None])
     tl.store(grad_v_ptr + v_offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=key_ok[:, None])
@@ -453,6 +447,20 @@ def _tma_readable(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _tma_mask_plane(mask: torch.Tensor) -> torch.Tensor:
+    """The mask [B, 1, Q, K] bool as the uint8 plane [B, Q, K] the kernels read: the mask's own memory if TMA can
+    read its rows (start and row stride on 16 bytes), else a copy with rows padded to 16 bytes (one per batch row,
+    or one for all where the mask is broadcast over the batch)."""
+    plane = mask[:, 0].view(torch.uint8)
+    if plane.data_ptr() % 16 == 0 and plane.stride(0) % 16 == 0 and plane.stride(1) % 16 == 0:
+        return plane
+    batch, q_len, k_len = plane.shape
+    source = plane[:1] if plane.stride(0) == 0 else plane
+    padded = plane.new_empty(source.shape[0], q_len, -(-k_len // 16) * 16)
+    padded[..., :k_len] = source
+    return padded[..., :k_len].expand(batch, q_len, k_len)
+
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """[B, Q, N, D]: what the output projection reads, flattened over the heads."""
     batch, heads, q_len, head_dim = q.shape
@@ -477,7 +485,7 @@ def _masked_attention(
     k, v = _tma_readable(k), _tma_readable(v)
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
-    plane = mask[:, 0]
+    plane = _tma_mask_plane(mask)
     _ensure_descriptor_allocator()
     grid = (key_counts.shape[1], heads, batch)
     _masked_attention_forward_kernel[grid](
@@ -494,10 +502,9 @@ def _(q, k, v, mask, key_tiles, key_counts, key_full, key_order, sizes, scale):
     return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
 
-def _backward_arguments(q, k, v, mask, lists, grad_out, lse, delta, *grads, scale):
+def _backward_arguments(q, k, v, plane, lists, grad_out, lse, delta, *grads, scale):
     """(tensors, sizes, strides) of a backward kernel: its tile lists, counts, full counts and launch order, then
-    the gradients it writes (dq for the dq kernel, dk and dv for the dk / dv kernel)."""
-    plane = mask[:, 0]
+    the gradients it writes (dq for the dq kernel, dk and dv for the dk / dv kernel); plane from _tma_mask_plane."""
     heads = q.shape[1]
     tensors = (q, k, v, plane, *lists, grad_out, lse, delta, *grads)
     sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], lists[0].shape[2], scale)
@@ -530,13 +537,16 @@ def _masked_attention_backward(
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     key_lists = (key_tiles, key_counts, key_full, key_order)
     query_lists = (query_tiles, query_counts, query_full, query_order)
-    tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, grad_out, lse, delta, grad_q, scale=scale)
+    plane = _tma_mask_plane(mask)
+    tensors, scalars, strides = _backward_arguments(
+        q, k, v, plane, key_lists, grad_out, lse, delta, grad_q, scale=scale
+    )
     _ensure_descriptor_allocator()
     _masked_attention_dq_kernel[(key_counts.shape[1], q.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dq_meta(q, sizes)
     )
     tensors, scalars, strides = _backward_arguments(
-        q, k, v, mask, query_lists, grad_out, lse, delta, grad_k, grad_v, scale=scale
+        q, k, v, plane, query_lists, grad_out, lse, delta, grad_k, grad_v, scale=scale
     )
     _masked_attention_dkv_kernel[(k.shape[1], query_counts.shape[1], q.shape[0])](
         *tensors, *scalars, *strides, **_dkv_meta(q, sizes)
@@ -554,9 +564,10 @@ def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) 
     """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
     out, delta as lse."""
     key_lists, query_lists = tiles[1:5], tiles[5:9]
-    tensors, scalars, strides = _backward_arguments(q, k, v, mask, key_lists, out, lse, lse, q, scale=scale)
+    plane = mask[:, 0].view(torch.uint8)  # stands for the backward's plane: only its dtype counts here
+    tensors, scalars, strides = _backward_arguments(q, k, v, plane, key_lists, out, lse, lse, q, scale=scale)
     precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_dq_meta(q, tiles.sizes))
-    tensors, scalars, strides = _backward_arguments(q, k, v, mask, query_lists, out, lse, lse, k, v, scale=scale)
+    tensors, scalars, strides = _backward_arguments(q, k, v, plane, query_lists, out, lse, lse, k, v, scale=scale)
     precompile(_masked_attention_dkv_kernel, *tensors, *scalars, *strides, **_dkv_meta(q, tiles.sizes))
 
 

@@ -105,6 +105,20 @@ def test_key_and_value_views_off_16_byte_steps_are_read_right(device):
     torch.testing.assert_close(out.float(), eager_masked_attention(q, k, v, mask, 0.25), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("k_len", [48, 45])
+def test_mask_views_the_kernels_cannot_read_in_place_are_read_right(device, k_len):
+    """The mask one byte into its storage (rows 16 bytes apart, or 45 bytes apart): its partial tiles' TMA copies
+    need a padded plane, which must see the same pairs."""
+    dense = dspine_mask(batch=2, blocks=2, block_size=16, context=k_len - 32).to(device)
+    storage = torch.zeros(dense.numel() + 1, dtype=torch.bool, device=device)
+    storage[1:] = dense.flatten()
+    mask = storage[1:].view(dense.shape)
+    assert mask.storage_offset() == 1 and mask.shape[3] == k_len
+    q, k, v = make_qkv(2, 2, 1, mask.shape[2], k_len, 16, device, torch.float32)
+    assert_matches(q, k, v, mask, 0.25, atol=2e-5, rtol=2e-5)
+    assert_matches(q, k, v, mask[:1], 0.25, atol=2e-5, rtol=2e-5)  # broadcast over the batch
+
+
 def test_a_triton_allocator_set_by_the_caller_is_kept(device):
     from triton.runtime import _allocation
 
