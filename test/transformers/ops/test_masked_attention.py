@@ -119,17 +119,6 @@ def test_mask_views_the_kernels_cannot_read_in_place_are_read_right(device, k_le
     assert_matches(q, k, v, mask[:1], 0.25, atol=2e-5, rtol=2e-5)  # broadcast over the batch
 
 
-def test_dspine_masks_are_read_in_place_at_any_context_length():
-    """causal_block_mask lays its rows on 16 bytes, so the kernels read its memory without a padded copy."""
-    from liger_dspine.ops.masked_attention import _tma_mask_plane
-
-    for context in (37, 48):
-        mask = dspine_mask(batch=2, blocks=3, block_size=16, context=context)
-        plane = _tma_mask_plane(mask)
-        assert plane.data_ptr() == mask.data_ptr() and mask.stride(2) % 16 == 0
-        assert torch.equal(plane.bool(), mask[:, 0])
-
-
 def test_a_triton_allocator_set_by_the_caller_is_kept(device):
     from triton.runtime import _allocation
 

@@ -89,14 +89,10 @@ def causal_block_mask(
     draft_visible = same_block & (query_offset[None, :] <= query_offset[:, None])
     if sliding_window is not None and window_in_block:
         draft_visible = draft_visible & (query_offset[:, None] - query_offset[None, :] < sliding_window)
-    # Rows on 16 bytes (a view of padded storage): the masked-attention kernels copy their tiles by TMA in place
-    key_length = context_length + draft_length
-    visible = torch.empty(batch, draft_length, -(-key_length // 16) * 16, dtype=torch.bool, device=device)
-    visible = visible[..., :key_length]
-    visible[..., :context_length] = context_visible
-    visible[..., context_length:] = draft_visible
-    visible &= keep.repeat_interleave(block_size, dim=1)[:, :, None]
-    return visible[:, None]
+    draft_visible = draft_visible.expand(batch, draft_length, draft_length)
+    visible = torch.cat([context_visible, draft_visible], dim=-1)
+    query_keep = keep.repeat_interleave(block_size, dim=1)
+    return (visible & query_keep[:, :, None])[:, None]
 
 
 def causal_block_flex_mask(
