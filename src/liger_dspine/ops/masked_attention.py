@@ -449,12 +449,13 @@ def _tma_readable(t: torch.Tensor) -> torch.Tensor:
 
 def _tma_mask_plane(mask: torch.Tensor) -> torch.Tensor:
     """The mask [B, 1, Q, K] bool as the uint8 plane [B, Q, K] the kernels read: the mask's own memory if TMA can
-    read its rows (start and row stride on 16 bytes), else a copy with rows padded to 16 bytes (one per batch row,
-    or one for all where the mask is broadcast over the batch)."""
+    read its rows (start and row stride on 16 bytes, rows apart), else a copy with rows padded to 16 bytes (one per
+    batch row, or one for all where the mask is broadcast over the batch)."""
     plane = mask[:, 0].view(torch.uint8)
-    if plane.data_ptr() % 16 == 0 and plane.stride(0) % 16 == 0 and plane.stride(1) % 16 == 0:
-        return plane
     batch, q_len, k_len = plane.shape
+    aligned = plane.data_ptr() % 16 == 0 and plane.stride(0) % 16 == 0 and plane.stride(1) % 16 == 0
+    if aligned and plane.stride(1) >= k_len:
+        return plane
     source = plane[:1] if plane.stride(0) == 0 else plane
     padded = plane.new_empty(source.shape[0], q_len, -(-k_len // 16) * 16)
     padded[..., :k_len] = source

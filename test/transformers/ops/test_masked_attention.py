@@ -119,6 +119,15 @@ def test_mask_views_the_kernels_cannot_read_in_place_are_read_right(device, k_le
     assert_matches(q, k, v, mask[:1], 0.25, atol=2e-5, rtol=2e-5)  # broadcast over the batch
 
 
+def test_a_mask_broadcast_over_its_queries_is_read_right(device):
+    """A key-padding mask expanded over the queries (row stride 0, which TMA cannot take): a padded copy is read."""
+    keys = torch.rand(2, 1, 1, 48, generator=torch.Generator().manual_seed(3)) < 0.5
+    mask = keys.to(device).expand(2, 1, 40, 48)
+    assert mask.stride(2) == 0
+    q, k, v = make_qkv(2, 2, 1, 40, 48, 16, device, torch.float32)
+    assert_matches(q, k, v, mask, 0.25, atol=2e-5, rtol=2e-5)
+
+
 def test_a_triton_allocator_set_by_the_caller_is_kept(device):
     from triton.runtime import _allocation
 
