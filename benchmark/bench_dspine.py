@@ -408,12 +408,12 @@ def add_ratios(rows):
 def add_run_floor(rows):
     """run_floor_fraction: the floor at the highest matmul rate measured in any process of the run over the time,
     so that rows measured in processes that clocked the matmul differently share one floor."""
-    rates = [r["matmul_tflops"] for r in rows if r.get("status") == "ok" and (r.get("matmul_tflops") or 0) > 0]
-    if not rates:
+    clocked = [r for r in rows if r.get("status") == "ok" and (r.get("matmul_tflops") or 0) > 0]
+    if not clocked:
         return
-    best = max(rates)
-    for row in rows:
-        if row.get("status") == "ok" and (row.get("matmul_tflops") or 0) > 0 and row.get("gemm_floor_ms"):
+    best = max(r["matmul_tflops"] for r in clocked)
+    for row in clocked:
+        if row.get("gemm_floor_ms"):
             row["run_floor_fraction"] = row["gemm_floor_ms"] * row["matmul_tflops"] / best / row["median_ms"]
 
 

@@ -173,6 +173,7 @@ def measure(anchors: int, context: int, baseline: str | None = None) -> list[dic
 SWEEP_QUERY_TILES = ((128, 64), (128, 128), (64, 64), (128, 32))
 SWEEP_KEY_TILES = ((64, 64), (128, 64), (128, 32), (64, 32))
 SWEEP_LAUNCHES = ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4))
+SWEEP_GROUPS = ("forward/dq", "dk/dv")
 
 
 def sweep_candidates(default) -> list[tuple[str, object]]:
@@ -183,14 +184,14 @@ def sweep_candidates(default) -> list[tuple[str, object]]:
     candidates = []
     for (query, key), (warps, stages) in itertools.product(SWEEP_QUERY_TILES, SWEEP_LAUNCHES):
         changed = dict(query=query, key=key, forward_warps=warps, forward_stages=stages, dq_warps=warps)
-        candidates.append(("forward/dq", TileSizes(**{**fixed, **changed, "dq_stages": stages})))
+        candidates.append((SWEEP_GROUPS[0], TileSizes(**{**fixed, **changed, "dq_stages": stages})))
     for (dkv_key, dkv_query), (warps, stages) in itertools.product(SWEEP_KEY_TILES, SWEEP_LAUNCHES):
         changed = dict(dkv_key=dkv_key, dkv_query=dkv_query, dkv_warps=warps, dkv_stages=stages)
-        candidates.append(("dk/dv", TileSizes(**{**fixed, **changed})))
+        candidates.append((SWEEP_GROUPS[1], TileSizes(**{**fixed, **changed})))
     return candidates
 
 
-def sweep(anchors: int, context: int, groups: tuple[str, ...] = ("forward/dq", "dk/dv")) -> list[dict]:
+def sweep(anchors: int, context: int, groups: tuple[str, ...] = SWEEP_GROUPS) -> list[dict]:
     import torch
 
     from liger_dspine.ops import masked_attention as ops
@@ -204,13 +205,15 @@ def sweep(anchors: int, context: int, groups: tuple[str, ...] = ("forward/dq", "
         listed = list(sizes)
 
         def forward():
-            return ops._masked_attention(q, k, v, mask, *tiles[1:5], listed, scale)  # key_tiles .. key_order
+            return ops._masked_attention(q, k, v, tiles.plane, *tiles[1:5], listed, scale)  # key_tiles .. key_order
 
         out, lse = forward()
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
         def backward():
-            return ops._masked_attention_backward(grad_out, q, k, v, mask, lse, delta, *tiles[1:], listed, scale)
+            return ops._masked_attention_backward(
+                grad_out, q, k, v, tiles.plane, lse, delta, *tiles[1:9], listed, scale
+            )
 
         return tiles, forward, backward, (out, *backward())
 
@@ -324,7 +327,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=3072)
     parser.add_argument("--baseline", help="another version of ops/masked_attention.py, measured beside this one")
     parser.add_argument("--sweep", action="store_true", help="time the candidate tile sizes and launch settings")
-    parser.add_argument("--sweep-groups", default="forward/dq,dk/dv", help="the sweep's kernels: forward/dq, dk/dv")
+    parser.add_argument(
+        "--sweep-groups", default=",".join(SWEEP_GROUPS), help=f"the sweep's kernels: {', '.join(SWEEP_GROUPS)}"
+    )
     parser.add_argument("--name", help="the output files' name (default masked_attention, masked_attention_sweep)")
     parser.add_argument("--replot", help="redraw the plot and table from this CSV")
     args, _ = parser.parse_known_args()
@@ -335,9 +340,9 @@ def main() -> None:
         return
     if args.sweep:
         groups = tuple(group for group in args.sweep_groups.split(",") if group)
-        unknown = set(groups) - {"forward/dq", "dk/dv"}
+        unknown = set(groups) - set(SWEEP_GROUPS)
         if unknown:
-            parser.error(f"--sweep-groups: unknown {sorted(unknown)}; the groups are forward/dq and dk/dv")
+            parser.error(f"--sweep-groups: unknown {sorted(unknown)}; the groups are {', '.join(SWEEP_GROUPS)}")
         write_sweep(sweep(args.anchors, args.context, groups), args.name or "masked_attention_sweep")
         return
     write(measure(args.anchors, args.context, args.baseline), args.name or "masked_attention")

@@ -1,7 +1,8 @@
 """Where the time and the memory of DSpine training go (GPU).
 
-- ``--part objective``: the fused objective (``DSpineObjective.block_terms`` forward + backward) at one width under
-  torch.profiler; CUDA kernels grouped into GEMM / Triton / other, and the top kernels.
+- ``--part objective``: the fused objective with the Liger drafter modules (``DSpineObjective.block_terms`` forward
+  + backward, bench_dspine's liger-dspine row) at one width under torch.profiler; CUDA kernels grouped into GEMM /
+  Triton / other, and the top kernels.
 - ``--part step``: one whole training step (accumulation 1, Liger layers and fused objective unless ``--native``):
   allocated memory and the peak so far at the start and end of each drafter layer's forward, of the objective,
   after the backward and after the optimizer step; the tensors saved for backward by shape.
@@ -29,7 +30,7 @@ GIB = 2**30
 
 
 def profile_objective(torch, args) -> None:
-    objective = build_objective(args.hidden, args.vocab, 1, False, True, torch.bfloat16, "cuda", False)
+    objective = build_objective(args.hidden, args.vocab, 1, True, True, torch.bfloat16, "cuda", False)
     objective.head_chunk_rows = args.head_chunk_rows
     inputs = objective_inputs(objective, args.blocks, 11, "cuda", torch.bfloat16)
     leaves = [inputs[k] for k in ("hidden", "pre", "features")]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from liger_dspine._interpreter import check_kernel_device
 from liger_dspine._interpreter import kernel_runs_on
@@ -85,6 +86,7 @@ class AttentionTiles(NamedTuple):
     query_counts: torch.Tensor  # int32 [B, K / dkv_key]
     query_full: torch.Tensor  # int32 [B, K / dkv_key]
     query_order: torch.Tensor  # int32 [B, K / dkv_key]: the key tiles by descending count (dk / dv launch order)
+    plane: torch.Tensor  # uint8 [B, Q, K]: the mask as the kernels read it (rows on 16 bytes; see _tma_mask_plane)
 
 
 def _pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -114,17 +116,17 @@ def _lists(counts: torch.Tensor, tile_pairs: int) -> tuple[torch.Tensor, ...]:
 
 
 def attention_tiles(mask: torch.Tensor, sizes: TileSizes) -> AttentionTiles:
-    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes``: one pass over the mask counts the visible
-    pairs of the finest tiles both lists are made of (a tile reaching past the mask counts the missing part as not
-    visible, so it is never full), then two small sums and two sorts. A mask shared by several layers needs them
-    once."""
+    """The tile lists of a bool mask [B, 1, Q, K] for tiles of ``sizes``, and the mask's plane: one pass over the
+    mask counts the visible pairs of the finest tiles both lists are made of (a tile reaching past the mask counts
+    the missing part as not visible, so it is never full), then two small sums and two sorts. A mask shared by
+    several layers needs them once."""
     fine_rows, fine_cols = math.gcd(sizes.query, sizes.dkv_query), math.gcd(sizes.key, sizes.dkv_key)
     counts = _block_sums(mask[:, 0].view(torch.uint8), fine_rows, fine_cols)
     by_query = _block_sums(counts, sizes.query // fine_rows, sizes.key // fine_cols)
     by_key = _block_sums(counts, sizes.dkv_query // fine_rows, sizes.dkv_key // fine_cols).transpose(1, 2)
     key_lists = _lists(by_query, sizes.query * sizes.key)
     query_lists = [t.contiguous() for t in _lists(by_key, sizes.dkv_query * sizes.dkv_key)]
-    return AttentionTiles(sizes, *key_lists, *query_lists)
+    return AttentionTiles(sizes, *key_lists, *query_lists, _tma_mask_plane(mask[:, 0].view(torch.uint8)))
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
@@ -438,23 +440,25 @@ def _ensure_descriptor_allocator() -> None:
         triton.set_allocator(_descriptor_scratch)
 
 
-def _tma_readable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [B, H, T, D] if TMA can read it (its start and every stride but the last on 16 bytes), else a copy in
-    a fresh allocation. Checked inside the ops: a compiled graph knows no data pointer."""
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t`` where it lies: its last stride 1, its start and every other stride on 16 bytes.
+    Asked inside the ops, and never while tracing: a traced graph knows no data pointer."""
     size = t.element_size()
-    if t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:3]):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
 
 
-def _tma_mask_plane(mask: torch.Tensor) -> torch.Tensor:
-    """The mask [B, 1, Q, K] bool as the uint8 plane [B, Q, K] the kernels read: the mask's own memory if TMA can
-    read its rows (start and row stride on 16 bytes, rows apart), else a copy with rows padded to 16 bytes (one per
-    batch row, or one for all where the mask is broadcast over the batch)."""
-    plane = mask[:, 0].view(torch.uint8)
+def _tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, H, T, D] if TMA can read it in place, else a copy in a fresh allocation."""
+    return t if _tma_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _tma_mask_plane(plane: torch.Tensor) -> torch.Tensor:
+    """The mask's uint8 plane [B, Q, K] as the kernels read it: ``plane`` itself if TMA can read its rows in place
+    (aligned, and rows apart), else a copy with rows padded to 16 bytes (one per batch row, or one for all where the
+    mask is broadcast over the batch). While compiling or on fake tensors, always the copy."""
     batch, q_len, k_len = plane.shape
-    aligned = plane.data_ptr() % 16 == 0 and plane.stride(0) % 16 == 0 and plane.stride(1) % 16 == 0
-    if aligned and plane.stride(1) >= k_len:
+    tracing = torch.compiler.is_compiling() or is_fake(plane)
+    if not tracing and plane.stride(1) >= k_len and _tma_aligned(plane):
         return plane
     source = plane[:1] if plane.stride(0) == 0 else plane
     padded = plane.new_empty(source.shape[0], q_len, -(-k_len // 16) * 16)
@@ -473,7 +477,7 @@ def _masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    plane: torch.Tensor,
     key_tiles: torch.Tensor,
     key_counts: torch.Tensor,
     key_full: torch.Tensor,
@@ -481,12 +485,12 @@ def _masked_attention(
     sizes: list[int],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Q, N, D], lse [B, N, Q] fp32); sizes = TileSizes."""
+    """(out [B, Q, N, D], lse [B, N, Q] fp32); plane = AttentionTiles.plane; sizes = TileSizes."""
     batch, heads, q_len, _ = q.shape
     k, v = _tma_readable(k), _tma_readable(v)
     out = _out_like(q)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
-    plane = _tma_mask_plane(mask)
+    plane = _tma_mask_plane(plane)  # made readable by attention_tiles: a check, unless made by hand
     _ensure_descriptor_allocator()
     grid = (key_counts.shape[1], heads, batch)
     _masked_attention_forward_kernel[grid](
@@ -498,14 +502,14 @@ def _masked_attention(
 
 
 @_masked_attention.register_fake
-def _(q, k, v, mask, key_tiles, key_counts, key_full, key_order, sizes, scale):
+def _(q, k, v, plane, key_tiles, key_counts, key_full, key_order, sizes, scale):
     batch, heads, q_len, _ = q.shape
     return _out_like(q), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
 
 def _backward_arguments(q, k, v, plane, lists, grad_out, lse, delta, *grads, scale):
     """(tensors, sizes, strides) of a backward kernel: its tile lists, counts, full counts and launch order, then
-    the gradients it writes (dq for the dq kernel, dk and dv for the dk / dv kernel); plane from _tma_mask_plane."""
+    the gradients it writes (dq for the dq kernel, dk and dv for the dk / dv kernel); plane from AttentionTiles."""
     heads = q.shape[1]
     tensors = (q, k, v, plane, *lists, grad_out, lse, delta, *grads)
     sizes = (q.shape[2], k.shape[2], heads, heads // k.shape[1], lists[0].shape[2], scale)
@@ -518,7 +522,7 @@ def _masked_attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    plane: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
     key_tiles: torch.Tensor,
@@ -538,7 +542,7 @@ def _masked_attention_backward(
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     key_lists = (key_tiles, key_counts, key_full, key_order)
     query_lists = (query_tiles, query_counts, query_full, query_order)
-    plane = _tma_mask_plane(mask)
+    plane = _tma_mask_plane(plane)
     tensors, scalars, strides = _backward_arguments(
         q, k, v, plane, key_lists, grad_out, lse, delta, grad_q, scale=scale
     )
@@ -556,16 +560,15 @@ def _masked_attention_backward(
 
 
 @_masked_attention_backward.register_fake
-def _(grad_out, q, k, v, mask, lse, delta, key_tiles, key_counts, key_full, key_order, query_tiles, query_counts,
+def _(grad_out, q, k, v, plane, lse, delta, key_tiles, key_counts, key_full, key_order, query_tiles, query_counts,
       query_full, query_order, sizes, scale):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) -> None:
+def _precompile_backward(q, k, v, tiles: AttentionTiles, out, lse, scale) -> None:
     """The backward's two kernels, compiled while the forward goes on (ops/precompile.py); grad_out is laid out as
     out, delta as lse."""
-    key_lists, query_lists = tiles[1:5], tiles[5:9]
-    plane = mask[:, 0].view(torch.uint8)  # stands for the backward's plane: only its dtype counts here
+    key_lists, query_lists, plane = tiles[1:5], tiles[5:9], tiles.plane
     tensors, scalars, strides = _backward_arguments(q, k, v, plane, key_lists, out, lse, lse, q, scale=scale)
     precompile(_masked_attention_dq_kernel, *tensors, *scalars, *strides, **_dq_meta(q, tiles.sizes))
     tensors, scalars, strides = _backward_arguments(q, k, v, plane, query_lists, out, lse, lse, k, v, scale=scale)
@@ -573,32 +576,32 @@ def _precompile_backward(q, k, v, mask, tiles: AttentionTiles, out, lse, scale) 
 
 
 class LigerMaskedAttentionFunction(torch.autograd.Function):
-    """``(q [B, N, Q, D], k [B, N/g, K, D], v [B, N/g, K, D], mask bool [B, 1, Q, K], tiles, scale)`` ->
-    [B, Q, N, D]."""
+    """``(q [B, N, Q, D], k [B, N/g, K, D], v [B, N/g, K, D], tiles, scale)`` -> [B, Q, N, D]; the mask comes as
+    ``tiles.plane``."""
 
     kernel_ops = ("liger_dspine::masked_attention", "liger_dspine::masked_attention_backward")
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, tiles: AttentionTiles, scale):
+    def forward(ctx, q, k, v, tiles: AttentionTiles, scale):
         sizes = list(tiles.sizes)
-        out, lse = _masked_attention(q, k, v, mask, *tiles[1:5], sizes, scale)
+        out, lse = _masked_attention(q, k, v, tiles.plane, *tiles[1:5], sizes, scale)
         if q.is_cuda and any(ctx.needs_input_grad) and not torch.compiler.is_compiling():
-            _precompile_backward(q, k, v, mask, tiles, out, lse, scale)
-        ctx.save_for_backward(q, k, v, mask, out, lse, *tiles[1:])
+            _precompile_backward(q, k, v, tiles, out, lse, scale)
+        ctx.save_for_backward(q, k, v, tiles.plane, out, lse, *tiles[1:9])
         ctx.sizes, ctx.scale = sizes, scale
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_out):
-        q, k, v, mask, out, lse, *lists = ctx.saved_tensors
+        q, k, v, plane, out, lse, *lists = ctx.saved_tensors
         if grad_out.stride(3) != 1:
             grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, N, Q]
         grad_q, grad_k, grad_v = _masked_attention_backward(
-            grad_out, q, k, v, mask, lse, delta, *lists, ctx.sizes, ctx.scale
+            grad_out, q, k, v, plane, lse, delta, *lists, ctx.sizes, ctx.scale
         )
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None
 
 
 def _head_dim_supported(head_dim: int) -> bool:
@@ -629,7 +632,8 @@ def liger_masked_attention(
 ) -> torch.Tensor:
     """Attention of q [B, N, Q, D] over k / v [B, N/g, K, D] (query head h reads key-value head h // g) under a
     bool mask [B or 1, 1, Q, K] (True = attend) -> [B, Q, N, D] in q's dtype. ``tiles`` (from
-    :func:`attention_tiles` with ``tile_sizes(q.dtype, D, q.device)``) may be shared by calls with the same mask."""
+    :func:`attention_tiles` with ``tile_sizes(q.dtype, D, q.device)``) may be shared by calls with the same mask:
+    they carry it, and the kernels read the mask from them."""
     check_kernel_device(query, "the masked attention")
     batch, heads, q_len, head_dim = query.shape
     kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
@@ -665,10 +669,10 @@ def liger_masked_attention(
     sizes = tile_sizes(query.dtype, head_dim, query.device)
     if tiles is None:
         tiles = attention_tiles(mask, sizes)
-    elif tiles.sizes != sizes or tiles.key_counts.shape[0] != batch:
+    elif tiles.sizes != sizes or tuple(tiles.plane.shape) != (batch, q_len, key.shape[2]):
         raise ValueError(
-            f"liger-dspine: masked attention's tiles were made for {tiles.sizes} and batch "
-            f"{tiles.key_counts.shape[0]}, these inputs need {sizes} and batch {batch}"
+            f"liger-dspine: masked attention's tiles were made for {tiles.sizes} and a mask "
+            f"{list(tiles.plane.shape)}, these inputs need {sizes} and [{batch}, {q_len}, {key.shape[2]}]"
         )
     query, key, value = (t if t.stride(3) == 1 else t.contiguous() for t in (query, key, value))
-    return LigerMaskedAttentionFunction.apply(query, key, value, mask, tiles, float(scale))
+    return LigerMaskedAttentionFunction.apply(query, key, value, tiles, float(scale))

@@ -128,6 +128,23 @@ def test_a_mask_broadcast_over_its_queries_is_read_right(device):
     assert_matches(q, k, v, mask, 0.25, atol=2e-5, rtol=2e-5)
 
 
+def test_tiles_carry_the_mask_plane_made_once(device):
+    """A mask the kernels cannot read in place is copied once, by attention_tiles: its plane holds the mask's pairs
+    with rows on 16 bytes, the ops read that plane as it is, and calls sharing the tiles match eager."""
+    from liger_dspine.ops.masked_attention import _tma_mask_plane
+
+    mask = dspine_mask(batch=2, blocks=2, block_size=16, context=13).to(device)  # 45 keys: rows off 16 bytes
+    tiles = attention_tiles(mask, tile_sizes(torch.float32, 16))
+    plane = tiles.plane
+    assert plane.dtype == torch.uint8 and tuple(plane.shape) == (2, mask.shape[2], 45)
+    assert plane.stride(1) % 16 == 0 and plane.data_ptr() % 16 == 0
+    assert torch.equal(plane.bool(), mask[:, 0])
+    assert _tma_mask_plane(plane) is plane
+    q, k, v = make_qkv(2, 2, 1, mask.shape[2], 45, 16, device, torch.float32)
+    for _ in range(2):
+        assert_matches(q, k, v, mask, 0.25, atol=2e-5, rtol=2e-5, tiles=tiles)
+
+
 def test_a_triton_allocator_set_by_the_caller_is_kept(device):
     from triton.runtime import _allocation
 
@@ -152,6 +169,9 @@ def test_tiles_are_shared_and_checked(device):
     wrong = attention_tiles(mask, tile_sizes(torch.float16, 16))
     with pytest.raises(ValueError, match="tiles were made for"):
         liger_masked_attention(q, k, v, mask, 0.25, tiles=wrong)
+    shorter = attention_tiles(mask[..., :-1], tile_sizes(torch.float32, 16))  # another mask's shape
+    with pytest.raises(ValueError, match="tiles were made for"):
+        liger_masked_attention(q, k, v, mask, 0.25, tiles=shorter)
 
 
 def _expected_list(mask_rows_or_cols, size, count, along_keys) -> tuple[list[int], int]:
