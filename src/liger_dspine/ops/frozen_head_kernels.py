@@ -11,14 +11,16 @@ Per row of a chunk, with draft logits z = x W^T and teacher logits y = t W^T (bo
   for per-row scales a (CE) and b (L1): d l1 / d z_j = sum_v s_v p_v (delta_vj - p_j) = p_j (s_j - S).
 
 The top-k of z comes from the sub-block maxima: the K largest elements of a row lie in the K sub-blocks with the
-largest maxima (each of them is at least the K-th largest sub-block maximum), so ``torch.topk`` runs on those
-K x ``TOPK_SUB`` columns rather than on all V.
+largest maxima (each of them is at least the K-th largest sub-block maximum), so the top-k looks only at those
+K x ``TOPK_SUB`` columns (:mod:`liger_dspine.ops.frozen_head_candidates`; ``torch.topk`` for K above its limit).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from liger_dspine.ops.frozen_head_candidates import MAX_TOP_K
+from liger_dspine.ops.frozen_head_candidates import top_candidates
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 
 IGNORE_INDEX = -100
@@ -196,6 +198,8 @@ def chunk_stats(z: torch.Tensor, y: torch.Tensor | None, labels: torch.Tensor) -
 def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k: int):
     """Top-k draft ids [C, K] (descending logits) and the teacher's probabilities there [C, K] fp32."""
     rows, vocab_size = z.shape
+    if top_k <= MAX_TOP_K and top_k * TOPK_SUB < vocab_size:
+        return top_candidates(z, y, stats.sub_max, stats.teacher_lse, top_k, TOPK_SUB)
     if top_k * TOPK_SUB >= vocab_size:
         ids = torch.topk(z, top_k, dim=-1).indices
     else:
