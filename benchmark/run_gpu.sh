@@ -4,7 +4,7 @@
 #   bash benchmark/run_gpu.sh STEP...
 #   STEP: tests | convergence | bench-quick | bench-compile | bench-part1 | bench-part2 | bench-optin | bench-sweep | bench-sweep-defaults
 #         | profile | bench-dspine | bench-dspine-objective | bench-dspine-step | bench-dspine-accuracy
-#         | profile-dspine | profile-dspine-objective | bench-masked-attention | bench-masked-attention-sweep | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
+#         | profile-dspine | profile-dspine-objective | bench-masked-attention | bench-masked-attention-sweep | bench-frozen-head-kernels | host-per-call | profile-family | profile-compile | profile-compile-step | bench-family | bench-family-v32 | bench-family-v4 | bench-family-minicpm5 | bench-vocab-parallel | bench-family-v4-sweep | bench-capture | train-drafter | bench-drafter-acceptance
 #         | train-drafter-fsdp | transformers-tests | bench-fp8-gemm | bench-fp8-quantize | profile-fp8-step | bench-fp8-step | bench-fp8-convergence
 #         | bench-family-fp8
 #
@@ -203,6 +203,8 @@ for step in "$@"; do
     # (MASKED_ATTENTION_BASELINE: another version of ops/masked_attention.py, measured beside it)
     bench-masked-attention) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench \
       ${MASKED_ATTENTION_BASELINE:+--baseline "$MASKED_ATTENTION_BASELINE"} ;;
+    # the fused objective's logit kernels on one chunk: stats and gradient launch settings, top-k kernel vs torch
+    bench-frozen-head-kernels) BENCH_SCRIPT=benchmark/bench_frozen_head_kernels.py run_bench ;;
     # the masked-attention kernels under each candidate of tile sizes and launch settings
     bench-masked-attention-sweep) BENCH_SCRIPT=benchmark/bench_masked_attention.py run_bench --sweep ;;
     # the host's time per call of one RMSNorm by each route (aten, liger-kernel, the custom op with and without

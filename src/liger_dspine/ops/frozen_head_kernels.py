@@ -168,7 +168,11 @@ class ChunkStats:
             self.sub_max = torch.empty(rows, triton.cdiv(vocab_size, TOPK_SUB), dtype=torch.float32, device=device)
 
 
-def chunk_stats(z: torch.Tensor, y: torch.Tensor | None, labels: torch.Tensor) -> ChunkStats:
+def chunk_stats(
+    z: torch.Tensor, y: torch.Tensor | None, labels: torch.Tensor, block_v: int | None = None, warps: int = NUM_WARPS
+) -> ChunkStats:
+    """The stats kernel over one chunk; ``block_v`` (columns per step, default :func:`_block_v`) and ``warps`` are
+    its launch settings."""
     rows, vocab_size = z.shape
     has_teacher = y is not None
     stats = ChunkStats(rows, vocab_size, has_teacher, z.device)
@@ -188,9 +192,9 @@ def chunk_stats(z: torch.Tensor, y: torch.Tensor | None, labels: torch.Tensor) -
         stats.sub_max.shape[1] if has_teacher else 1,
         IGNORE_INDEX,
         HAS_TEACHER=has_teacher,
-        BLOCK_V=_block_v(vocab_size),
+        BLOCK_V=block_v or _block_v(vocab_size),
         SUB=TOPK_SUB,
-        num_warps=NUM_WARPS,
+        num_warps=warps,
     )
     return stats
 
@@ -200,6 +204,12 @@ def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k:
     rows, vocab_size = z.shape
     if top_k <= MAX_TOP_K and top_k * TOPK_SUB < vocab_size:
         return top_candidates(z, y, stats.sub_max, stats.teacher_lse, top_k, TOPK_SUB)
+    return torch_candidates(z, y, stats, top_k)
+
+
+def torch_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k: int):
+    """:func:`chunk_candidates` with torch's top-k (over the K largest sub-blocks where K x ``TOPK_SUB`` < V)."""
+    vocab_size = z.shape[1]
     if top_k * TOPK_SUB >= vocab_size:
         ids = torch.topk(z, top_k, dim=-1).indices
     else:
@@ -212,9 +222,12 @@ def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k:
     return ids, probs
 
 
-def write_logit_grads(z, y, labels, ce_scale, l1_scale, draft_lse, teacher_lse, sign_mass) -> None:
+def write_logit_grads(
+    z, y, labels, ce_scale, l1_scale, draft_lse, teacher_lse, sign_mass, block_v=None, warps=NUM_WARPS
+) -> None:
     """Overwrite z [C, V] with dz for per-row scales ``ce_scale`` and ``l1_scale`` ([C] fp32), from the chunk's
-    statistics (the stats kernel's ``draft_lse``, ``teacher_lse`` and ``sign_mass``, [C] fp32)."""
+    statistics (the stats kernel's ``draft_lse``, ``teacher_lse`` and ``sign_mass``, [C] fp32); launch settings as
+    :func:`chunk_stats`'s."""
     rows, vocab_size = z.shape
     has_teacher = y is not None
     _frozen_head_grad_kernel[(rows,)](
@@ -229,8 +242,8 @@ def write_logit_grads(z, y, labels, ce_scale, l1_scale, draft_lse, teacher_lse, 
         vocab_size,
         IGNORE_INDEX,
         HAS_TEACHER=has_teacher,
-        BLOCK_V=_block_v(vocab_size),
-        num_warps=NUM_WARPS,
+        BLOCK_V=block_v or _block_v(vocab_size),
+        num_warps=warps,
     )
 
 
