@@ -1,5 +1,6 @@
 """The spine's lean write and feature (ops/scaled_write.py) against the torch expressions of AdjacentInjection, and
-gradcheck in fp64. Pure torch: no kernel runs."""
+gradcheck in fp64. The write's kernels run for fp32 / fp16 (through the interpreter on a CPU); fp64 takes the torch
+expressions."""
 
 import math
 
@@ -46,6 +47,39 @@ def test_write_matches_the_torch_expression():
     for got, expected in ((d_states, r_states), (d_message, r_message), (d_weight, r_weight)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(d_states).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (2, 3, 5, 48), (7, 200)])
+def test_write_kernels_round_as_the_torch_expression_half(device, shape):
+    """fp16 (bf16 on a GPU) states, message and weight: the same fp32 RMS, each product and sum rounded once to the
+    half dtype, so the output and d delta match the torch expression to the last bit but for an RMS whose fp32
+    sum rounds the other way; the GEMM gradients follow."""
+    half = torch.bfloat16 if device == "cuda" else torch.float16
+    generator = torch.Generator().manual_seed(7)
+    states = torch.randn(*shape, generator=generator)
+    message = torch.randn(*shape[:-1], 8, generator=generator)
+    weight = torch.randn(shape[-1], 8, generator=generator) * 0.1
+    states, message, weight = (t.to(device=device, dtype=half) for t in (states, message, weight))
+    out, (d_states, d_message, d_weight) = grads(liger_scaled_write, states, message, weight)
+    ref, (r_states, r_message, r_weight) = grads(native_write, states, message, weight)
+    assert out.dtype == half and d_states.dtype == half
+    eps = torch.finfo(half).eps
+    torch.testing.assert_close(out, ref, atol=4 * eps, rtol=2 * eps)
+    for got, expected in ((d_states, r_states), (d_message, r_message), (d_weight, r_weight)):
+        torch.testing.assert_close(got.float(), expected.float(), atol=8 * eps, rtol=8 * eps)
+
+
+def test_write_of_broadcast_states_matches():
+    """States expanded over a dim (stride 0), as the transition scores pass them: the gradient sums over it."""
+    generator = torch.Generator().manual_seed(9)
+    states = torch.randn(4, 1, 32, generator=generator).expand(4, 3, 32)
+    message = torch.randn(4, 3, 8, generator=generator)
+    weight = torch.randn(32, 8, generator=generator) * 0.1
+    out, (d_states, d_message, d_weight) = grads(liger_scaled_write, states, message, weight)
+    ref, (r_states, r_message, r_weight) = grads(native_write, states, message, weight)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    for got, expected in ((d_states, r_states), (d_message, r_message), (d_weight, r_weight)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_write_gradcheck_fp64():
