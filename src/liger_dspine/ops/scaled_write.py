@@ -10,7 +10,7 @@ layer besides x itself. ``LigerScaledWriteFunction`` keeps x, m, W and rms(x) an
     d rms   = sum_h g_h delta_h        dx = g + d rms * x / (rms * H)   (0 where rms = 0)
 
 Around the GEMMs, one Triton kernel a row each way (the RMS and the scaled sum; both input gradients) replaces the
-torch expressions' five and ten [N, H] passes, rounding as they do.
+torch expressions' five and ten [N, H] passes, rounding as they do; the feature likewise takes one kernel each way.
 ``LigerUnitFeatureFunction`` is ``c * normalize(p)`` of a projection p [N, r], returned in p's dtype: it keeps p as
 it is (not an fp32 copy) and the inverse norm, and its backward is (c / ||p||) (g - u (u . g)) with u = p / ||p||.
 Both compute in fp32 (fp64 for fp64 inputs) and return the input dtype, as the torch expressions do.
@@ -27,7 +27,7 @@ from liger_dspine._interpreter import kernel_runs_on
 from liger_dspine.ops.eager_dispatch import liger_custom_op
 from liger_dspine.ops.first_order import first_order_only
 
-_MAX_FUSED_HIDDEN = 16384  # widest row the write's kernels hold in registers
+_MAX_FUSED_HIDDEN = 16384  # widest row the kernels hold in registers
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -127,10 +127,10 @@ def _(grad, delta, states, rms):
 
 
 def _fused(states: torch.Tensor, delta: torch.Tensor) -> bool:
-    """Whether the write's kernels take these: states and delta of one shape, fp32 / bf16 / fp16, rows of at most
-    ``_MAX_FUSED_HIDDEN``, on a device Triton runs on (bf16 only on a GPU: the CPU interpreter has none). Others
-    (fp64, broadcasting shapes, a CPU without the interpreter) take the torch expressions, which compute the same
-    numbers."""
+    """Whether the kernels take these (the feature passes its projection as both): states and delta of one shape,
+    fp32 / bf16 / fp16, rows of at most ``_MAX_FUSED_HIDDEN``, on a device Triton runs on (bf16 only on a GPU: the
+    CPU interpreter has none). Others (fp64, broadcasting shapes, a CPU without the interpreter) take the torch
+    expressions, which compute the same numbers."""
     return (
         states.shape == delta.shape
         and states.dtype in _FUSED_DTYPES
@@ -186,24 +186,108 @@ class LigerScaledWriteFunction(torch.autograd.Function):
         return grad_states if ctx.needs_input_grad[0] else None, grad_message, grad_weight
 
 
+@triton.jit
+def _unit_feature_kernel(projected_ptr, out_ptr, inverse_ptr, rank, scale, eps, BLOCK_R: tl.constexpr):
+    """One row: inverse = 1 / max(||p||, eps) in fp32, out = (c * p) * inverse in p's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_R)
+    inside = cols < rank
+    p = tl.load(projected_ptr + row * rank + cols, mask=inside, other=0.0)
+    wide = p.to(tl.float32)
+    inverse = 1.0 / tl.maximum(tl.sqrt(tl.sum(wide * wide, axis=0)), eps)
+    tl.store(out_ptr + row * rank + cols, (scale * wide * inverse).to(p.dtype), mask=inside)
+    tl.store(inverse_ptr + row, inverse)
+
+
+@triton.jit
+def _unit_feature_backward_kernel(
+    grad_ptr, projected_ptr, inverse_ptr, grad_projected_ptr, rank, scale, limit, BLOCK_R: tl.constexpr
+):
+    """One row: u = p * inverse, (c * inverse) * (g - u (u . g)), without the projection where the norm was below
+    eps (inverse >= limit = 1 / eps)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_R)
+    inside = cols < rank
+    p = tl.load(projected_ptr + row * rank + cols, mask=inside, other=0.0)
+    grad = tl.load(grad_ptr + row * rank + cols, mask=inside, other=0.0).to(tl.float32)
+    inverse = tl.load(inverse_ptr + row)
+    unit = p.to(tl.float32) * inverse
+    radial = tl.where(inverse >= limit, 0.0, tl.sum(unit * grad, axis=0))
+    tl.store(
+        grad_projected_ptr + row * rank + cols, ((scale * inverse) * (grad - unit * radial)).to(p.dtype), mask=inside
+    )
+
+
+@liger_custom_op("liger_dspine::unit_feature", mutates_args=())
+def _unit_feature(projected: torch.Tensor, scale: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [..., r] contiguous -> (c * normalize(p) in p's dtype, the inverse norm [..., 1] fp32)."""
+    out, inverse = _feature_outputs(projected)
+    rank = projected.shape[-1]
+    rows = projected.numel() // max(rank, 1)
+    if rows:
+        block, warps = _block_h(rank)
+        _unit_feature_kernel[(rows,)](projected, out, inverse, rank, scale, eps, BLOCK_R=block, num_warps=warps)
+    return out, inverse
+
+
+def _feature_outputs(projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(projected), projected.new_empty(projected.shape[:-1] + (1,), dtype=torch.float32)
+
+
+@_unit_feature.register_fake
+def _(projected, scale, eps):
+    return _feature_outputs(projected)
+
+
+@liger_custom_op("liger_dspine::unit_feature_backward", mutates_args=())
+def _unit_feature_backward(
+    grad: torch.Tensor, projected: torch.Tensor, inverse: torch.Tensor, scale: float, eps: float
+) -> torch.Tensor:
+    """grad, p [..., r] contiguous, inverse [..., 1] fp32 -> d p in p's dtype."""
+    grad_projected = torch.empty_like(projected)
+    rank = projected.shape[-1]
+    rows = projected.numel() // max(rank, 1)
+    if rows:
+        block, warps = _block_h(rank)
+        _unit_feature_backward_kernel[(rows,)](
+            grad, projected, inverse, grad_projected, rank, scale, 1.0 / eps, BLOCK_R=block, num_warps=warps
+        )
+    return grad_projected
+
+
+@_unit_feature_backward.register_fake
+def _(grad, projected, inverse, scale, eps):
+    return torch.empty_like(projected)
+
+
 class LigerUnitFeatureFunction(torch.autograd.Function):
     """``(p [N, r], c, eps)`` -> ``c * p / max(||p||, eps)`` in p's dtype (computed in fp32)."""
 
-    kernel_ops = ()  # torch ops only
+    kernel_ops = ("liger_dspine::unit_feature", "liger_dspine::unit_feature_backward")
 
     @staticmethod
     def forward(ctx, projected, scale, eps):
-        wide = _wide(projected.dtype)
-        inverse = 1.0 / torch.linalg.vector_norm(projected.to(wide), dim=-1, keepdim=True).clamp_min(eps)
+        ctx.fused = _fused(projected, projected)
+        if ctx.fused:
+            out, inverse = _unit_feature(projected.contiguous(), scale, eps)
+        else:
+            wide = _wide(projected.dtype)
+            inverse = 1.0 / torch.linalg.vector_norm(projected.to(wide), dim=-1, keepdim=True).clamp_min(eps)
+            out = (scale * projected.to(wide) * inverse).to(projected.dtype)
         ctx.save_for_backward(projected, inverse)
         ctx.scale = scale
         ctx.eps = eps
-        return (scale * projected.to(wide) * inverse).to(projected.dtype)
+        return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
         projected, inverse = ctx.saved_tensors
+        if ctx.fused:
+            grad_projected = _unit_feature_backward(
+                grad.contiguous(), projected.contiguous(), inverse.contiguous(), ctx.scale, ctx.eps
+            )
+            return grad_projected, None, None
         unit = projected.to(inverse.dtype) * inverse
         grad = grad.to(inverse.dtype)
         clamped = inverse >= 1.0 / ctx.eps  # norm below eps: a plain scaling by c / eps, no projection

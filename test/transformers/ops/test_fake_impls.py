@@ -363,7 +363,7 @@ CASES = {
     case_candidate_scores: ("candidate_scores", "candidate_scores_backward"),
     case_refinement_loss: ("refinement_loss", "candidate_scores", "candidate_scores_backward"),
     case_alignment_cosine: ("alignment_cosine", "alignment_cosine_backward"),
-    case_scaled_write: ("scaled_write", "scaled_write_backward"),
+    case_scaled_write: ("scaled_write", "scaled_write_backward", "unit_feature", "unit_feature_backward"),
     case_sink_attention: ("sink_attention", "sink_attention_backward"),
     case_masked_attention: ("masked_attention", "masked_attention_backward"),
     case_trailing_rope: ("trailing_rope", "trailing_rope_backward"),
