@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-_TAKEN = -(2**31)  # below the key of every float
+_TAKEN = tl.constexpr(-(2**31))  # below the key of every float
 MAX_TOP_K = 64  # larger K keep torch's top-k (the kernel holds K x sub logits per row in registers)
 
 
