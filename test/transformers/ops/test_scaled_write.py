@@ -24,7 +24,8 @@ def native_feature(projected, scale):
 def grads(fn, *tensors):
     leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
     out = fn(*leaves)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32).to(out.dtype)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    upstream = upstream.to(device=out.device, dtype=out.dtype)
     (out * upstream).sum().backward()
     return out.detach(), [leaf.grad for leaf in leaves]
 
