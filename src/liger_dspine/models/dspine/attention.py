@@ -7,6 +7,7 @@ gradients, whatever the backend does with fully masked rows.
 """
 
 import functools
+import warnings
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -109,15 +110,26 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
+_FLEX_MIN_HEAD_DIM = 16  # inductor's flex-attention kernel takes no narrower query / key / value heads
+
+
 def _flex(query, key, value, mask: PreparedMask, scaling: float, dropout: float, groups: int, **kwargs):
     if dropout > 0:
         raise ValueError("DSpine flex attention needs attention_dropout == 0")
-    if query.is_cuda:
+    narrow = min(query.shape[-1], value.shape[-1]) < _FLEX_MIN_HEAD_DIM
+    if query.is_cuda and not narrow:
         flex_attention = _compiled_flex_attention()
         options = {"kernel_options": kwargs["kernel_options"]} if kwargs.get("kernel_options") else {}
-    else:  # the unfused reference path (CPU tests)
+    else:  # the unfused flex attention: CPUs, and heads narrower than the compiled kernel takes
         from torch.nn.attention.flex_attention import flex_attention
 
+        if query.is_cuda:
+            warnings.warn(
+                f"liger-dspine: DSpine flex attention with heads of {query.shape[-1]} / {value.shape[-1]} (below "
+                f"{_FLEX_MIN_HEAD_DIM}, which the compiled flex kernel needs) runs unfused: the same numbers, with "
+                "the [queries, keys] scores in memory",
+                stacklevel=2,
+            )
         options = {}
     return flex_attention(
         query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=groups > 1, **options
