@@ -15,12 +15,11 @@ CUDA-event timings after 3 warm-ups, its result checked against torch. Writes be
 import argparse
 import csv
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cuda_timing import event_times_ms  # noqa: E402
+from cuda_timing import median_ms  # noqa: E402
 
 DATA = os.path.join(HERE, "data")
 ROWS, TOP_K, BLOCK_ROWS, SHARED_POOL = 1920, 16, 15, 32
@@ -37,10 +36,6 @@ def candidate_ids(kind: str, vocab: int, torch, generator):
     pools = torch.randint(0, vocab, (blocks, SHARED_POOL), device="cuda", generator=generator)
     picks = torch.rand(blocks, BLOCK_ROWS, SHARED_POOL, device="cuda", generator=generator).argsort(-1)[..., :TOP_K]
     return pools.gather(1, picks.reshape(blocks, -1)).reshape(ROWS, TOP_K)
-
-
-def median_ms(fn, torch, reps=20):
-    return statistics.median(event_times_ms(fn, torch, reps, warmup=3))
 
 
 def measure(torch) -> list[dict]:

@@ -18,12 +18,12 @@ Writes benchmark/data/frozen_head_kernels.csv, .md and .png.
 import argparse
 import csv
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cuda_timing import event_times_ms  # noqa: E402
+from cuda_timing import median_ms  # noqa: E402
+from report import write_csv_and_markdown  # noqa: E402
 
 DATA = os.path.join(HERE, "data")
 ROWS, TOP_K = 15360, 16  # the objective benchmark's rows (1024 blocks x 15 proposals) and candidates
@@ -31,19 +31,12 @@ WIDTHS = ((4096, 151936), (7168, 129280))
 SETTINGS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
 
 
-def median_ms(fn, torch, reps=20):
-    return statistics.median(event_times_ms(fn, torch, reps, warmup=3))
-
-
 def measure(torch) -> list[dict]:
-    rows = []
-    for hidden, vocab in WIDTHS:
-        rows += _measure_width(hidden, vocab, torch)
-        torch.cuda.empty_cache()
-    return rows
+    return [row for hidden, vocab in WIDTHS for row in _measure_width(hidden, vocab, torch)]
 
 
 def _measure_width(hidden: int, vocab: int, torch) -> list[dict]:
+    torch.cuda.empty_cache()  # the previous width's chunk
     from liger_dspine.ops import frozen_head_kernels as ops
     from liger_dspine.ops.frozen_head_loss import DEFAULT_CHUNK_BYTES
     from liger_dspine.ops.frozen_head_loss import loss_chunk_rows
@@ -108,10 +101,6 @@ def _row(base, kernel, setting, in_use, ms, gigabytes, error):
 
 def write(rows: list[dict], stem: str) -> None:
     os.makedirs(DATA, exist_ok=True)
-    with open(stem + ".csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     lines = [
         "| kernel | hidden | chunk rows | BLOCK_V / warps | ms | HBM TB/s | max diff | in use |",
         "|---|---:|---:|---|---:|---:|---:|---|",
@@ -127,9 +116,7 @@ def write(rows: list[dict], stem: str) -> None:
         times = {r["setting"]: float(r["ms"]) for r in chosen}
         if len(times) == 2:
             lines.append(f"\ncandidates at hidden {hidden}: torch / kernel = {times['torch'] / times['kernel']:.2f}x")
-    with open(stem + ".md", "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_csv_and_markdown(stem, list(rows[0]), rows, lines)
     plot(rows, stem + ".png")
 
 

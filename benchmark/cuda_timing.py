@@ -18,6 +18,11 @@ def event_times_ms(fn, torch, reps: int, warmup: int = 0) -> list[float]:
     return times
 
 
+def median_ms(fn, torch, reps: int = 20, warmup: int = 3) -> float:
+    """The median of ``reps`` timings of ``fn()`` after ``warmup`` calls."""
+    return statistics.median(event_times_ms(fn, torch, reps, warmup=warmup))
+
+
 def median_ms_and_peak_gib(fn, torch, reps: int = 10, warmup: int = 3) -> tuple[float, float]:
     """The median of ``reps`` timings of ``fn()`` after ``warmup`` calls, and the peak memory of the timed calls
     above what was allocated before them, in GiB."""
