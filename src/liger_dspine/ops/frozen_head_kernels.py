@@ -201,8 +201,7 @@ def chunk_stats(
 
 def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k: int):
     """Top-k draft ids [C, K] (descending logits) and the teacher's probabilities there [C, K] fp32."""
-    rows, vocab_size = z.shape
-    if top_k <= MAX_TOP_K and top_k * TOPK_SUB < vocab_size:
+    if top_k <= MAX_TOP_K and top_k * TOPK_SUB < z.shape[1]:
         return top_candidates(z, y, stats.sub_max, stats.teacher_lse, top_k, TOPK_SUB)
     return torch_candidates(z, y, stats, top_k)
 

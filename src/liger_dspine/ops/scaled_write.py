@@ -126,18 +126,16 @@ def _(grad, delta, states, rms):
     return torch.empty_like(grad), torch.empty_like(delta)
 
 
-def _fused(states: torch.Tensor, delta: torch.Tensor) -> bool:
-    """Whether the kernels take these (the feature passes its projection as both): states and delta of one shape,
-    fp32 / bf16 / fp16, rows of at most ``_MAX_FUSED_HIDDEN``, on a device Triton runs on (bf16 only on a GPU: the
-    CPU interpreter has none). Others (fp64, broadcasting shapes, a CPU without the interpreter) take the torch
-    expressions, which compute the same numbers."""
+def _kernel_takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: one shape, fp32 / bf16 / fp16, rows of at most ``_MAX_FUSED_HIDDEN``,
+    on a device Triton runs on (bf16 only on a GPU: the CPU interpreter has none). Others (fp64, broadcasting shapes,
+    a CPU without the interpreter) take the torch expressions, which compute the same numbers."""
+    first = tensors[0]
     return (
-        states.shape == delta.shape
-        and states.dtype in _FUSED_DTYPES
-        and delta.dtype in _FUSED_DTYPES
-        and states.shape[-1] <= _MAX_FUSED_HIDDEN
-        and kernel_runs_on(states, _scaled_write_kernel)
-        and (states.is_cuda or torch.bfloat16 not in (states.dtype, delta.dtype))
+        all(t.shape == first.shape and t.dtype in _FUSED_DTYPES for t in tensors)
+        and first.shape[-1] <= _MAX_FUSED_HIDDEN
+        and kernel_runs_on(first, _scaled_write_kernel)
+        and (first.is_cuda or all(t.dtype != torch.bfloat16 for t in tensors))
     )
 
 
@@ -149,7 +147,7 @@ class LigerScaledWriteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states, message, weight):
         delta = F.linear(message, weight)  # in autocast's dtype when it is on
-        ctx.fused = _fused(states, delta)
+        ctx.fused = _kernel_takes(states, delta)
         if ctx.fused:
             out, rms = _scaled_write(states.contiguous(), delta.contiguous())
         else:
@@ -267,7 +265,7 @@ class LigerUnitFeatureFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, projected, scale, eps):
-        ctx.fused = _fused(projected, projected)
+        ctx.fused = _kernel_takes(projected)
         if ctx.fused:
             out, inverse = _unit_feature(projected.contiguous(), scale, eps)
         else:
