@@ -9,6 +9,8 @@ one chunk of the fused loss (its rows from ``loss_chunk_rows``, as the op picks 
   launch settings (columns per step / warps); the figure of merit is their HBM traffic's rate. Each setting's
   results are checked against the setting in use.
 - the top-k candidates: the kernel against torch's top-k over the same sub-blocks, side by side, same ids checked.
+- the loss path's chunk: the stats kernel making the candidates and dz itself, at several launch settings, against
+  the stats, top-k and gradient kernels launched apart (its dz checked against theirs).
 
 Writes benchmark/data/frozen_head_kernels.csv, .md and .png.
 
@@ -29,6 +31,7 @@ DATA = os.path.join(HERE, "data")
 ROWS, TOP_K = 15360, 16  # the objective benchmark's rows (1024 blocks x 15 proposals) and candidates
 WIDTHS = ((4096, 151936), (7168, 129280))
 SETTINGS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
+FUSED_SETTINGS = ((2048, 4), (4096, 4), (4096, 8), (4096, 16), (8192, 16))
 
 
 def measure(torch) -> list[dict]:
@@ -81,6 +84,30 @@ def _measure_width(hidden: int, vocab: int, torch) -> list[dict]:
         ms = median_ms(lambda: grads(block_v, warps, target), torch)  # in place: later calls see dz, same traffic
         rows.append(_row(base, "grad", setting, in_use, ms, 3 * plane_gb, error))
 
+    # The loss path: the stats kernel that makes the candidates and dz itself, against the three kernels apart.
+    def apart(target):
+        stats = ops.chunk_stats(target, y, labels)
+        ops.chunk_candidates(target, y, stats, TOP_K)
+        ops.write_logit_grads(
+            target, y, labels, ce_scale, l1_scale, stats.draft_lse, stats.teacher_lse, stats.sign_mass
+        )  # fmt: skip
+
+    def fused(block_v, warps, target):
+        ops.chunk_stats(target, y, labels, block_v, warps, top_k=TOP_K, grad_scales=(ce_scale, l1_scale))
+
+    target.copy_(z)
+    apart(target)
+    want.copy_(target)
+    rows.append(_row(base, "stats+top-k+grad", "apart", in_use, median_ms(lambda: apart(target), torch),
+                     7 * plane_gb, 0.0))  # fmt: skip
+    for block_v, warps in FUSED_SETTINGS:
+        setting = f"{block_v}/{warps}"
+        target.copy_(z)
+        fused(block_v, warps, target)
+        error = (target.float() - want.float()).abs().max().item()
+        ms = median_ms(lambda: fused(block_v, warps, target), torch)
+        rows.append(_row(base, "stats+top-k+grad", setting, in_use, ms, 7 * plane_gb, error))
+
     kernel = ops.chunk_candidates(z, y, reference, TOP_K)
     eager = ops.torch_candidates(z, y, reference, TOP_K)
     same = torch.equal(z.gather(-1, kernel[0]), z.gather(-1, eager[0]))
@@ -116,6 +143,14 @@ def write(rows: list[dict], stem: str) -> None:
         times = {r["setting"]: float(r["ms"]) for r in chosen}
         if len(times) == 2:
             lines.append(f"\ncandidates at hidden {hidden}: torch / kernel = {times['torch'] / times['kernel']:.2f}x")
+        chosen = [r for r in rows if r["kernel"] == "stats+top-k+grad" and int(r["hidden"]) == hidden]
+        times = {r["setting"]: float(r["ms"]) for r in chosen}
+        if "apart" in times and len(times) > 1:
+            best = min((ms, s) for s, ms in times.items() if s != "apart")
+            lines.append(
+                f"\nstats, top-k and grad at hidden {hidden}: apart {times['apart']:.3f} ms, in one kernel "
+                f"{best[0]:.3f} ms ({best[1]}): {times['apart'] / best[0]:.2f}x"
+            )
     write_csv_and_markdown(stem, list(rows[0]), rows, lines)
     plot(rows, stem + ".png")
 
@@ -127,17 +162,17 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for axis, kernel in zip(axes, ("stats", "grad", "candidates")):
+    for axis, kernel in zip(axes, ("stats", "grad", "stats+top-k+grad")):
         chosen = [r for r in rows if r["kernel"] == kernel]
         settings = list(dict.fromkeys(r["setting"] for r in chosen))
-        field = "ms" if kernel == "candidates" else "tb_per_s"
+        field = "ms" if kernel == "stats+top-k+grad" else "tb_per_s"
         for offset, (hidden, _) in enumerate(WIDTHS):
             values = {r["setting"]: float(r[field]) for r in chosen if int(r["hidden"]) == hidden}
             axis.bar([i + 0.4 * offset for i in range(len(settings))], [values.get(s, 0) for s in settings], 0.4,
                      label=f"hidden {hidden}")  # fmt: skip
         axis.set_xticks([i + 0.2 for i in range(len(settings))], settings, rotation=45, fontsize=7)
         axis.set_title(f"{kernel} (one chunk)")
-        axis.set_ylabel("ms" if kernel == "candidates" else "HBM traffic, TB/s")
+        axis.set_ylabel("ms" if kernel == "stats+top-k+grad" else "HBM traffic, TB/s")
         axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

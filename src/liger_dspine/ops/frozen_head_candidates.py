@@ -29,13 +29,13 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _frozen_head_candidates_kernel(
-    draft_logits_ptr,  # [C, V] contiguous
-    teacher_logits_ptr,  # [C, V] contiguous
-    sub_max_ptr,  # [C, NS] fp32 contiguous
-    teacher_lse_ptr,  # [C] fp32
-    ids_ptr,  # [C, K] int64 out
-    probs_ptr,  # [C, K] fp32 out
+def row_candidates(
+    draft_row,  # one row of draft logits [V]
+    teacher_row,  # one row of teacher logits [V]
+    sub_max_row,  # its sub-block maxima [NS] fp32
+    teacher_lse,  # fp32 scalar: logsumexp of the teacher row
+    ids_row,  # [K] int64 out
+    probs_row,  # [K] fp32 out
     vocab_size,
     num_sub,
     TOP_K: tl.constexpr,
@@ -43,12 +43,13 @@ def _frozen_head_candidates_kernel(
     BLOCK_S: tl.constexpr,  # next power of two >= NS
     SUB: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """Write one row's candidates and teacher probabilities; returns its first candidate: the row's first argmax
+    (no NaN in the row)."""
     ranks = tl.arange(0, BLOCK_K)
 
     # 1. the TOP_K sub-blocks with the largest maxima
     subs = tl.arange(0, BLOCK_S)
-    sub_max = tl.load(sub_max_ptr + row * num_sub + subs, mask=subs < num_sub, other=float("-inf"))
+    sub_max = tl.load(sub_max_row + subs, mask=subs < num_sub, other=float("-inf"))
     keys = tl.where(subs < num_sub, _ordered_key(sub_max), _TAKEN)
     chosen = tl.zeros([BLOCK_K], dtype=tl.int32)
     for rank in tl.static_range(TOP_K):
@@ -59,7 +60,7 @@ def _frozen_head_candidates_kernel(
     # 2. the TOP_K largest logits of those sub-blocks, largest first
     cols = chosen[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [BLOCK_K, SUB]
     valid = (ranks[:, None] < TOP_K) & (cols < vocab_size)
-    z = tl.load(draft_logits_ptr + row * vocab_size + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    z = tl.load(draft_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
     keys = tl.reshape(tl.where(valid, _ordered_key(z), _TAKEN), (BLOCK_K * SUB,))
     positions = tl.arange(0, BLOCK_K * SUB)  # rank of the sub-block * SUB + column in it
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -71,10 +72,47 @@ def _frozen_head_candidates_kernel(
 
     # 3. the teacher's probabilities at the candidates
     out = ranks < TOP_K
-    y = tl.load(teacher_logits_ptr + row * vocab_size + ids, mask=out, other=0.0).to(tl.float32)
-    probs = tl.exp(y - tl.load(teacher_lse_ptr + row))
-    tl.store(ids_ptr + row * TOP_K + ranks, ids.to(tl.int64), mask=out)
-    tl.store(probs_ptr + row * TOP_K + ranks, probs, mask=out)
+    y = tl.load(teacher_row + ids, mask=out, other=0.0).to(tl.float32)
+    tl.store(ids_row + ranks, ids.to(tl.int64), mask=out)
+    tl.store(probs_row + ranks, tl.exp(y - teacher_lse), mask=out)
+    return tl.sum(tl.where(ranks == 0, ids, 0), axis=0)
+
+
+@triton.jit
+def _frozen_head_candidates_kernel(
+    draft_logits_ptr,  # [C, V] contiguous
+    teacher_logits_ptr,  # [C, V] contiguous
+    sub_max_ptr,  # [C, NS] fp32 contiguous
+    teacher_lse_ptr,  # [C] fp32
+    ids_ptr,  # [C, K] int64 out
+    probs_ptr,  # [C, K] fp32 out
+    vocab_size,
+    num_sub,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_candidates(
+        draft_logits_ptr + row * vocab_size,
+        teacher_logits_ptr + row * vocab_size,
+        sub_max_ptr + row * num_sub,
+        tl.load(teacher_lse_ptr + row),
+        ids_ptr + row * TOP_K,
+        probs_ptr + row * TOP_K,
+        vocab_size,
+        num_sub,
+        TOP_K,
+        BLOCK_K,
+        BLOCK_S,
+        SUB,
+    )
+
+
+def kernel_takes(top_k: int, vocab_size: int, sub: int) -> bool:
+    """Whether the candidates kernel serves this K: 1 <= K <= ``MAX_TOP_K`` and K x ``sub`` < V."""
+    return 1 <= top_k <= MAX_TOP_K and top_k * sub < vocab_size
 
 
 def top_candidates(
@@ -83,7 +121,7 @@ def top_candidates(
     """(ids [C, K] int64, largest logit first; the teacher's probabilities there [C, K] fp32) for 1 <= K <=
     ``MAX_TOP_K`` and K x ``sub`` < V; z, y [C, V] contiguous, sub_max [C, ceil(V / sub)] fp32."""
     rows, vocab_size = z.shape
-    if not 1 <= top_k <= MAX_TOP_K or top_k * sub >= vocab_size:
+    if not kernel_takes(top_k, vocab_size, sub):
         raise ValueError(
             f"liger-dspine: top_candidates needs 1 <= top_k <= {MAX_TOP_K} and top_k x {sub} < {vocab_size}, "
             f"got top_k {top_k}"

@@ -2,8 +2,12 @@
 
 Per row of a chunk, with draft logits z = x W^T and teacher logits y = t W^T (both [C, V], contiguous):
 
-- ``_frozen_head_stats_kernel``: pass 1 over V gives logsumexp(z), logsumexp(y), the first argmax of z, z[label]
-  and the max of z over each ``TOPK_SUB`` columns; pass 2 gives l1 = sum |p - q| and S = sum p * sign(p - q).
+- ``_frozen_head_stats_kernel``: pass 1 over V gives logsumexp(z), logsumexp(y), z[label] and the max of z over
+  each ``TOPK_SUB`` columns; pass 2, from the row's end (whose blocks pass 1 read last, so L2 still holds many),
+  gives l1 = sum |p - q| and S = sum p * sign(p - q). With a teacher it can then pick the top-k candidates
+  (:func:`liger_dspine.ops.frozen_head_candidates.row_candidates`, whose first is the first argmax of z; without
+  them pass 1 finds that argmax), and write dz in place of z in a third pass, in the direction opposite to the pass
+  before it: the loss path's whole chunk in one kernel.
 - ``_frozen_head_grad_kernel`` writes, in place of z,
 
       dz = a * (p - onehot(label)) + b * p * (s - S),   s = sign(p - q)
@@ -19,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from liger_dspine.ops.frozen_head_candidates import MAX_TOP_K
+from liger_dspine.ops.frozen_head_candidates import kernel_takes
+from liger_dspine.ops.frozen_head_candidates import row_candidates
 from liger_dspine.ops.frozen_head_candidates import top_candidates
 from liger_dspine.ops.gemm_dtype import gemm_dtype
 
@@ -30,8 +35,37 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _grad_block(
+    draft_row,
+    teacher_row,
+    start,
+    cols,
+    vocab_size,
+    label,
+    ce_scale,
+    l1_scale,
+    draft_lse,
+    teacher_lse,
+    sign_mass,
+    HAS_TEACHER: tl.constexpr,
+):
+    """Overwrite one block of a row's draft logits with their gradient."""
+    offsets = start + cols
+    in_row = offsets < vocab_size
+    z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+    p = tl.exp(z - draft_lse)
+    grad = ce_scale * (p - tl.where(offsets == label, 1.0, 0.0))
+    if HAS_TEACHER:
+        y = tl.load(teacher_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
+        diff = p - tl.exp(y - teacher_lse)
+        sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        grad += l1_scale * p * (sign - sign_mass)
+    tl.store(draft_row + offsets, grad.to(draft_row.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
 def _frozen_head_stats_kernel(
-    draft_logits_ptr,  # [C, V] float, contiguous
+    draft_logits_ptr,  # [C, V] float, contiguous (overwritten with dz under WRITE_GRAD)
     teacher_logits_ptr,  # [C, V] float, contiguous (unused without a teacher)
     labels_ptr,  # [C] int64
     ce_ptr,  # [C] fp32 out
@@ -41,20 +75,30 @@ def _frozen_head_stats_kernel(
     teacher_lse_ptr,  # [C] fp32 out
     sign_mass_ptr,  # [C] fp32 out: S = sum_v p_v * sign(p_v - q_v)
     sub_max_ptr,  # [C, NS] fp32 out: max of z over each TOPK_SUB columns (unused without a teacher)
+    ids_ptr,  # [C, K] int64 out: the candidates (TOP_K > 0)
+    probs_ptr,  # [C, K] fp32 out: the teacher's probabilities there (TOP_K > 0)
+    ce_scale_ptr,  # [C] fp32: a (WRITE_GRAD)
+    l1_scale_ptr,  # [C] fp32: b (WRITE_GRAD with a teacher)
     vocab_size,
     num_sub,
     ignore_index,
     HAS_TEACHER: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SUB: tl.constexpr,
+    TOP_K: tl.constexpr,  # 0: no candidates here
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     draft_row = draft_logits_ptr + row * vocab_size
     teacher_row = teacher_logits_ptr + row * vocab_size
     cols = tl.arange(0, BLOCK_V)
     subs = tl.arange(0, BLOCK_V // SUB)
+    num_blocks = tl.cdiv(vocab_size, BLOCK_V)
 
-    # Pass 1: normalisers (online max / sum-exp), the first argmax of the draft, its sub-block maxima.
+    # Pass 1: normalisers (online max / sum-exp), the first argmax of the draft (from the candidates when they are
+    # made here), its sub-block maxima.
     draft_max = float("-inf")
     draft_sum = 0.0
     best = 0
@@ -65,8 +109,9 @@ def _frozen_head_stats_kernel(
         in_row = offsets < vocab_size
         z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
         block_max = tl.max(z, axis=0)
-        block_best = start + tl.argmax(z, axis=0, tie_break_left=True)
-        best = tl.where(block_max > draft_max, block_best, best)  # strict: earlier blocks win ties
+        if TOP_K == 0:
+            block_best = start + tl.argmax(z, axis=0, tie_break_left=True)
+            best = tl.where(block_max > draft_max, block_best, best)  # strict: earlier blocks win ties
         new_max = tl.maximum(draft_max, block_max)
         draft_sum = draft_sum * tl.exp(draft_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
         draft_max = new_max
@@ -87,16 +132,17 @@ def _frozen_head_stats_kernel(
     safe_label = tl.where(labelled, label, 0)
     label_logit = tl.load(draft_row + safe_label).to(tl.float32)
     tl.store(ce_ptr + row, tl.where(labelled, draft_lse - label_logit, 0.0))
-    tl.store(correct_ptr + row, (labelled & (best == safe_label)).to(tl.int8))
     tl.store(draft_lse_ptr + row, draft_lse)
 
+    teacher_lse = 0.0
+    sign_mass = 0.0
     if HAS_TEACHER:
         teacher_lse = teacher_max + tl.log(teacher_sum)
-        # Pass 2: the L1 distance and the sign mass S the gradient needs.
+        # Pass 2, last block first: the blocks pass 1 read last are the likeliest still in L2. The L1 distance and
+        # the sign mass S the gradient needs.
         l1 = 0.0
-        sign_mass = 0.0
-        for start in range(0, vocab_size, BLOCK_V):
-            offsets = start + cols
+        for step in range(num_blocks):
+            offsets = (num_blocks - 1 - step) * BLOCK_V + cols
             in_row = offsets < vocab_size
             z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
             y = tl.load(teacher_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
@@ -108,6 +154,25 @@ def _frozen_head_stats_kernel(
         tl.store(l1_ptr + row, l1)
         tl.store(teacher_lse_ptr + row, teacher_lse)
         tl.store(sign_mass_ptr + row, sign_mass)
+        if TOP_K > 0:
+            tl.debug_barrier()  # the row's sub-block maxima, stored by other threads of this program
+            best = row_candidates(
+                draft_row, teacher_row, sub_max_ptr + row * num_sub, teacher_lse, ids_ptr + row * TOP_K,
+                probs_ptr + row * TOP_K, vocab_size, num_sub, TOP_K, BLOCK_K, BLOCK_S, SUB,
+            )  # fmt: skip
+    tl.store(correct_ptr + row, (labelled & (best == safe_label)).to(tl.int8))
+
+    if WRITE_GRAD:
+        # Pass 3, opposite to the pass before it (again for L2): dz in place of z, once every read of z is done.
+        tl.debug_barrier()
+        ce_scale = tl.where(labelled, tl.load(ce_scale_ptr + row), 0.0)
+        l1_scale = tl.load(l1_scale_ptr + row) if HAS_TEACHER else 0.0
+        for step in range(num_blocks):
+            start = step * BLOCK_V if HAS_TEACHER else (num_blocks - 1 - step) * BLOCK_V
+            _grad_block(
+                draft_row, teacher_row, start, cols, vocab_size, label, ce_scale, l1_scale, draft_lse, teacher_lse,
+                sign_mass, HAS_TEACHER,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -126,29 +191,17 @@ def _frozen_head_grad_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    draft_row = draft_logits_ptr + row * vocab_size
-    teacher_row = teacher_logits_ptr + row * vocab_size
-    cols = tl.arange(0, BLOCK_V)
-
     label = tl.load(labels_ptr + row)
     ce_scale = tl.where(label != ignore_index, tl.load(ce_scale_ptr + row), 0.0)
+    l1_scale = tl.load(l1_scale_ptr + row) if HAS_TEACHER else 0.0
+    teacher_lse = tl.load(teacher_lse_ptr + row) if HAS_TEACHER else 0.0
+    sign_mass = tl.load(sign_mass_ptr + row) if HAS_TEACHER else 0.0
     draft_lse = tl.load(draft_lse_ptr + row)
-    if HAS_TEACHER:
-        l1_scale = tl.load(l1_scale_ptr + row)
-        teacher_lse = tl.load(teacher_lse_ptr + row)
-        sign_mass = tl.load(sign_mass_ptr + row)
     for start in range(0, vocab_size, BLOCK_V):
-        offsets = start + cols
-        in_row = offsets < vocab_size
-        z = tl.load(draft_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
-        p = tl.exp(z - draft_lse)
-        grad = ce_scale * (p - tl.where(offsets == label, 1.0, 0.0))
-        if HAS_TEACHER:
-            y = tl.load(teacher_row + offsets, mask=in_row, other=float("-inf")).to(tl.float32)
-            diff = p - tl.exp(y - teacher_lse)
-            sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
-            grad += l1_scale * p * (sign - sign_mass)
-        tl.store(draft_row + offsets, grad.to(draft_logits_ptr.dtype.element_ty), mask=in_row)
+        _grad_block(
+            draft_logits_ptr + row * vocab_size, teacher_logits_ptr + row * vocab_size, start, tl.arange(0, BLOCK_V),
+            vocab_size, label, ce_scale, l1_scale, draft_lse, teacher_lse, sign_mass, HAS_TEACHER,
+        )  # fmt: skip
 
 
 def _block_v(vocab_size: int) -> int:
@@ -156,26 +209,52 @@ def _block_v(vocab_size: int) -> int:
 
 
 class ChunkStats:
-    """What the stats kernel gives for one chunk of rows; tensors [C] unless noted."""
+    """What the stats kernel gives for one chunk of rows; tensors [C] unless noted. The candidates ([C, K]) are
+    there when the kernel made them."""
 
-    def __init__(self, rows: int, vocab_size: int, has_teacher: bool, device: torch.device):
+    def __init__(self, rows: int, vocab_size: int, has_teacher: bool, top_k: int, device: torch.device):
         self.ce = torch.empty(rows, dtype=torch.float32, device=device)
         self.correct = torch.empty(rows, dtype=torch.int8, device=device)
         self.draft_lse = torch.empty_like(self.ce)
         self.l1 = self.teacher_lse = self.sign_mass = self.sub_max = None
+        self.candidate_ids = self.candidate_probs = None
         if has_teacher:
             self.l1, self.teacher_lse, self.sign_mass = (torch.empty_like(self.ce) for _ in range(3))
             self.sub_max = torch.empty(rows, triton.cdiv(vocab_size, TOPK_SUB), dtype=torch.float32, device=device)
+        if top_k:
+            self.candidate_ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
+            self.candidate_probs = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+
+
+def fuses_candidates(top_k: int, vocab_size: int) -> bool:
+    """Whether the stats kernel makes a chunk's top-k candidates itself (and so may then write the gradient)."""
+    return kernel_takes(top_k, vocab_size, TOPK_SUB)
 
 
 def chunk_stats(
-    z: torch.Tensor, y: torch.Tensor | None, labels: torch.Tensor, block_v: int | None = None, warps: int = NUM_WARPS
+    z: torch.Tensor,
+    y: torch.Tensor | None,
+    labels: torch.Tensor,
+    block_v: int | None = None,
+    warps: int = NUM_WARPS,
+    top_k: int = 0,
+    grad_scales: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> ChunkStats:
     """The stats kernel over one chunk; ``block_v`` (columns per step, default :func:`_block_v`) and ``warps`` are
-    its launch settings."""
+    its launch settings.
+
+    With a teacher and a ``top_k`` that :func:`fuses_candidates`, the same kernel makes the candidates. With
+    ``grad_scales`` (a, b: [C] fp32, b None without a teacher) it then overwrites z with dz, as
+    :func:`write_logit_grads` does; with a teacher that needs the candidates made here (they read z).
+    """
     rows, vocab_size = z.shape
     has_teacher = y is not None
-    stats = ChunkStats(rows, vocab_size, has_teacher, z.device)
+    fused_k = top_k if has_teacher and fuses_candidates(top_k, vocab_size) else 0
+    if grad_scales is not None and has_teacher and not fused_k:
+        raise ValueError(f"liger-dspine: the stats kernel writes dz only after its own top-k, not for K = {top_k}")
+    stats = ChunkStats(rows, vocab_size, has_teacher, fused_k, z.device)
+    num_sub = stats.sub_max.shape[1] if has_teacher else 1
+    ce_scale, l1_scale = grad_scales if grad_scales is not None else (None, None)
     unused = stats.ce
     _frozen_head_stats_kernel[(rows,)](
         z,
@@ -188,12 +267,20 @@ def chunk_stats(
         stats.teacher_lse if has_teacher else unused,
         stats.sign_mass if has_teacher else unused,
         stats.sub_max if has_teacher else unused,
+        stats.candidate_ids if fused_k else labels,
+        stats.candidate_probs if fused_k else unused,
+        unused if ce_scale is None else ce_scale,
+        unused if l1_scale is None else l1_scale,
         vocab_size,
-        stats.sub_max.shape[1] if has_teacher else 1,
+        num_sub,
         IGNORE_INDEX,
         HAS_TEACHER=has_teacher,
         BLOCK_V=block_v or _block_v(vocab_size),
         SUB=TOPK_SUB,
+        TOP_K=fused_k,
+        BLOCK_K=triton.next_power_of_2(max(fused_k, 1)),
+        BLOCK_S=triton.next_power_of_2(num_sub),
+        WRITE_GRAD=grad_scales is not None,
         num_warps=warps,
     )
     return stats
@@ -201,7 +288,9 @@ def chunk_stats(
 
 def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k: int):
     """Top-k draft ids [C, K] (descending logits) and the teacher's probabilities there [C, K] fp32."""
-    if top_k <= MAX_TOP_K and top_k * TOPK_SUB < z.shape[1]:
+    if stats.candidate_ids is not None:
+        return stats.candidate_ids, stats.candidate_probs
+    if fuses_candidates(top_k, z.shape[1]):
         return top_candidates(z, y, stats.sub_max, stats.teacher_lse, top_k, TOPK_SUB)
     return torch_candidates(z, y, stats, top_k)
 
@@ -311,10 +400,17 @@ def chunk_logit_passes(draft_hidden, teacher_hidden, weight, chunk_rows):
         yield start, end, logits[:count], logits[count:] if teacher_hidden is not None else None
 
 
-def chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
-    """For each chunk of rows: (start, end, z, y, stats) after the logits GEMM and the stats kernel."""
+def chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows, top_k=0, grad_scales=None):
+    """For each chunk of rows: (start, end, z, y, stats) after the logits GEMM and the stats kernel, which makes the
+    candidates where it can (:func:`chunk_stats`); with ``grad_scales`` (a [R], b [R] or None) it also overwrites z
+    with dz."""
     for start, end, z, y in chunk_logit_passes(draft_hidden, teacher_hidden, weight, chunk_rows):
-        yield start, end, z, y, chunk_stats(z, y, labels[start:end])
+        rows = slice(start, end)
+        scales = None
+        if grad_scales is not None:
+            ce_scale, l1_scale = grad_scales
+            scales = (ce_scale[rows], None if l1_scale is None else l1_scale[rows])
+        yield start, end, z, y, chunk_stats(z, y, labels[rows], top_k=top_k, grad_scales=scales)
 
 
 def default_chunk_rows(rows: int, hidden_size: int, vocab_size: int) -> int:

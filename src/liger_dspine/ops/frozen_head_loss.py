@@ -6,8 +6,9 @@ for per-row weights a (CE) and b (L1) known before the backward; ce and l1 are t
 :mod:`liger_dspine.ops.frozen_head_objective`. Since the loss's gradient reaches every row only through the one
 scalar g = d out / d loss, dz = a * dce/dz + b * dl1/dz can be formed chunk by chunk in the forward and projected
 at once: dx = dz W is kept ([R, H], fp32 where the GEMM can write it) and the backward returns g * dx. Per chunk
-that is one GEMM for draft and teacher logits together, the stats kernel, the top-k, the gradient kernel and one
-GEMM for dx: the three [C, H] x [H, V] products of the floor, nothing recomputed.
+that is one GEMM for draft and teacher logits together, one kernel for the statistics, the top-k and dz (the top-k
+and the gradient kernel apart for K above the kernel's limit) and one GEMM for dx: the three [C, H] x [H, V]
+products of the floor, nothing recomputed.
 
 The kept dx is never changed, so a retained graph gives the same gradient on every backward. Without autograd
 (or when x needs no gradient) the gradient kernel and its GEMM are skipped: the CE-only prepass of gradient
@@ -22,6 +23,7 @@ from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
 from liger_dspine.ops.frozen_head_kernels import chunk_passes
+from liger_dspine.ops.frozen_head_kernels import fuses_candidates
 from liger_dspine.ops.frozen_head_kernels import write_logit_grads
 from liger_dspine.ops.frozen_head_results import FrozenHeadLoss
 from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
@@ -89,22 +91,21 @@ def _frozen_head_loss(
     results = RowResults(rows, top_k, has_teacher, False, device)
     grad_input = torch.empty(rows, draft_hidden.shape[1], dtype=torch.float32, device=device) if want_grad else None
 
+    # The stats kernel writes dz itself where it makes the candidates (or has none to make).
+    fused_grad = want_grad and (not has_teacher or fuses_candidates(top_k, head_weight.shape[0]))
     with torch.autocast(device.type, enabled=False):
         weight = head_weight.to(dtype)
-        for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+        scales = (ce_scale, l1_scale) if fused_grad else None
+        passes = chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows, top_k, scales)
+        for start, end, z, y, stats in passes:
             results.store(start, end, z, y, stats)
-            if want_grad:
-                chunk_l1_scale = l1_scale[start:end] if has_teacher else None
+            if want_grad and not fused_grad:
+                chunk = slice(start, end)
                 write_logit_grads(
-                    z,
-                    y,
-                    labels[start:end],
-                    ce_scale[start:end],
-                    chunk_l1_scale,
-                    stats.draft_lse,
-                    stats.teacher_lse,
+                    z, y, labels[chunk], ce_scale[chunk], l1_scale[chunk], stats.draft_lse, stats.teacher_lse,
                     stats.sign_mass,
-                )
+                )  # fmt: skip
+            if want_grad:
                 _project_grads(z, weight, grad_input[start:end])
     outputs = results.outputs()
     if not has_teacher:

@@ -60,7 +60,7 @@ def _frozen_head_terms(
     results = RowResults(draft_hidden.shape[0], top_k, teacher_hidden is not None, True, draft_hidden.device)
     with torch.autocast(draft_hidden.device.type, enabled=False):
         weight = head_weight.to(dtype)
-        for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows):
+        for start, end, z, y, stats in chunk_passes(draft_hidden, teacher_hidden, labels, weight, chunk_rows, top_k):
             results.store(start, end, z, y, stats)
     return _terms_outputs(results, draft_hidden)
 

@@ -11,7 +11,7 @@ import torch
 
 from liger_dspine.models.dspine.frozen_head_terms import frozen_head_terms
 from liger_dspine.ops.frozen_head_kernels import IGNORE_INDEX
-from liger_dspine.ops.frozen_head_kernels import TOPK_SUB
+from liger_dspine.ops.frozen_head_kernels import fuses_candidates
 from liger_dspine.ops.frozen_head_loss import liger_frozen_head_loss
 from liger_dspine.ops.frozen_head_loss import loss_chunk_rows
 
@@ -48,13 +48,22 @@ def fused_loss(draft, head, labels, teacher, ce_scale, l1_scale, top_k=TOP_K, **
     return out.loss.detach(), out.terms, leaf.grad
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 1, 5])
-def test_matches_eager_terms_and_gradient(device, chunk_rows):
-    draft, head, labels, teacher, ce_scale, l1_scale = inputs(device)
+@pytest.mark.parametrize(
+    "chunk_rows, vocab, top_k",
+    [
+        (None, VOCAB, TOP_K),
+        (1, VOCAB, TOP_K),
+        (5, VOCAB, TOP_K),  # the stats kernel makes the candidates and dz (K x 256 < V)
+        (5, 1000, TOP_K),  # torch's top-k over the whole row, then the gradient kernel (K x 256 >= V)
+        (None, VOCAB, 65),  # torch's top-k over the sub-blocks (K above the kernel's 64)
+    ],
+)
+def test_matches_eager_terms_and_gradient(device, chunk_rows, vocab, top_k):
+    assert fuses_candidates(TOP_K, VOCAB) and not fuses_candidates(TOP_K, 1000) and not fuses_candidates(65, VOCAB)
+    draft, head, labels, teacher, ce_scale, l1_scale = inputs(device, vocab=vocab)
     labels[2] = IGNORE_INDEX
-    assert TOP_K * TOPK_SUB < VOCAB  # the sub-block top-k path
-    loss, terms, grad = fused_loss(draft, head, labels, teacher, ce_scale, l1_scale, chunk_rows=chunk_rows)
-    ref_loss, ref_terms, ref_grad = eager_loss(draft, head, labels, teacher, ce_scale, l1_scale)
+    loss, terms, grad = fused_loss(draft, head, labels, teacher, ce_scale, l1_scale, top_k, chunk_rows=chunk_rows)
+    ref_loss, ref_terms, ref_grad = eager_loss(draft, head, labels, teacher, ce_scale, l1_scale, top_k)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(terms.ce, ref_terms.ce, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(terms.l1, ref_terms.l1, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,7 @@ from test_fake_impls import run_case
 from triton.runtime import interpreter
 
 from liger_dspine.ops.frozen_head_candidates import top_candidates
+from liger_dspine.ops.frozen_head_kernels import chunk_stats
 
 _POINTER_TYPES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
@@ -86,8 +87,11 @@ def recorded_launches() -> list[dict]:
     try:
         for case in CASES:
             run_case(case)
-        logits = torch.randn(2, 600)  # the top-k kernel: its vocabulary above K x 256, which the cases' is not
+        # The top-k kernel, and the stats kernel that makes the top-k and dz itself: a vocabulary above K x 256,
+        # which the cases' is not.
+        logits, labels, scale = torch.randn(2, 600), torch.zeros(2, dtype=torch.int64), torch.ones(2)
         top_candidates(logits, logits, logits.view(2, 1, 600)[..., :3].contiguous(), logits[:, 0].contiguous(), 2, 256)
+        chunk_stats(logits.clone(), logits, labels, top_k=2, grad_scales=(scale, scale))
     finally:
         interpreter.InterpretedFunction.run = run
     return list(launches.values())
