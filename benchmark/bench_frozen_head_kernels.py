@@ -52,7 +52,8 @@ def _measure_width(hidden: int, vocab: int, torch) -> list[dict]:
     labels = torch.randint(0, vocab, (chunk,), device="cuda", generator=generator)
     ce_scale, l1_scale = (torch.rand(chunk, device="cuda", generator=generator) for _ in range(2))
     plane_gb = chunk * vocab * 2 / 1e9  # one [C, V] bf16 tensor
-    in_use = f"{ops._block_v(vocab)}/{ops.NUM_WARPS}"
+    in_use = f"{ops._block_v(vocab)}/{ops.STATS_WARPS}"
+    grad_in_use = f"{ops._block_v(vocab)}/{ops.GRAD_WARPS}"
     base = dict(hidden=hidden, vocab=vocab, chunk_rows=chunk)
     rows = []
 
@@ -74,7 +75,7 @@ def _measure_width(hidden: int, vocab: int, torch) -> list[dict]:
         )  # fmt: skip
 
     want = z.clone()
-    grads(None, ops.NUM_WARPS, want)
+    grads(None, ops.GRAD_WARPS, want)
     target = z.clone()
     for block_v, warps in SETTINGS:
         setting = f"{block_v}/{warps}"
@@ -82,7 +83,7 @@ def _measure_width(hidden: int, vocab: int, torch) -> list[dict]:
         grads(block_v, warps, target)
         error = (target.float() - want.float()).abs().max().item()
         ms = median_ms(lambda: grads(block_v, warps, target), torch)  # in place: later calls see dz, same traffic
-        rows.append(_row(base, "grad", setting, in_use, ms, 3 * plane_gb, error))
+        rows.append(_row(base, "grad", setting, grad_in_use, ms, 3 * plane_gb, error))
 
     # The loss path: the stats kernel that makes the candidates and dz itself, against the three kernels apart.
     def apart(target):

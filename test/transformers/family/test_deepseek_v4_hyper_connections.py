@@ -87,8 +87,13 @@ def test_training_step_matches_native(monkeypatch):
     reference = copy.deepcopy(native).double()
     reference.set_experts_implementation("eager")
     exact = losses_and_grads(reference, input_ids)
-    native_errors, patched_errors = distances(losses_and_grads(native, input_ids), exact), distances(patched_run, exact)
-    assert max(patched_errors.values()) <= max(1e-5, 4 * max(native_errors.values())), (native_errors, patched_errors)
+    native_errors = distances(losses_and_grads(native, input_ids), exact, whole=True)
+    patched_errors = distances(patched_run, exact, whole=True)
+    assert patched_errors["whole"] <= max(1e-6, 2 * native_errors["whole"]), (native_errors, patched_errors)
+    # Each tensor against native's error on it: gradients whose terms cancel (the untouched hc_head's are one) amplify
+    # every upstream rounding, in both runs, by far more than the others.
+    worse = {name: (error, native_errors[name]) for name, error in patched_errors.items()}
+    assert all(error <= max(1e-5, 8 * native) for error, native in worse.values()), worse
     for name in ("fn", "base", "scale"):  # the connections' own parameters get their gradients
         assert all(patched_run[1][f"model.layers.{i}.attn_hc.{name}"].abs().max() > 0 for i in range(len(layers)))
 
