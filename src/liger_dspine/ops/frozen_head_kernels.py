@@ -359,7 +359,8 @@ class RowResults:
         self.top_k = top_k
 
     def store(self, start: int, end: int, z, y, stats: ChunkStats) -> None:
-        """Write one chunk's results (the top-k reads z: call this before z is overwritten with its gradient)."""
+        """Write one chunk's results (unless the stats kernel made them, the top-k reads z: call this before z is
+        overwritten with its gradient)."""
         self.ce[start:end], self.correct[start:end] = stats.ce, stats.correct
         if self.draft_lse is not None:
             self.draft_lse[start:end] = stats.draft_lse
