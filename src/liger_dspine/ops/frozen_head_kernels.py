@@ -228,8 +228,14 @@ class ChunkStats:
 
 
 def fuses_candidates(top_k: int, vocab_size: int) -> bool:
-    """Whether the stats kernel makes a chunk's top-k candidates itself (and so may then write the gradient)."""
+    """Whether the stats kernel makes a chunk's top-k candidates itself."""
     return kernel_takes(top_k, vocab_size, TOPK_SUB)
+
+
+def stats_write_grad(has_teacher: bool, top_k: int, vocab_size: int) -> bool:
+    """Whether :func:`chunk_stats` may take ``grad_scales`` and write dz: without a teacher, or with one whose
+    candidates it makes (they read z before dz replaces it)."""
+    return not has_teacher or fuses_candidates(top_k, vocab_size)
 
 
 def chunk_stats(
@@ -251,7 +257,7 @@ def chunk_stats(
     rows, vocab_size = z.shape
     has_teacher = y is not None
     fused_k = top_k if has_teacher and fuses_candidates(top_k, vocab_size) else 0
-    if grad_scales is not None and has_teacher and not fused_k:
+    if grad_scales is not None and not stats_write_grad(has_teacher, top_k, vocab_size):
         raise ValueError(f"liger-dspine: the stats kernel writes dz only after its own top-k, not for K = {top_k}")
     stats = ChunkStats(rows, vocab_size, has_teacher, fused_k, z.device)
     num_sub = stats.sub_max.shape[1] if has_teacher else 1
@@ -291,7 +297,7 @@ def chunk_candidates(z: torch.Tensor, y: torch.Tensor, stats: ChunkStats, top_k:
     """Top-k draft ids [C, K] (descending logits) and the teacher's probabilities there [C, K] fp32."""
     if stats.candidate_ids is not None:
         return stats.candidate_ids, stats.candidate_probs
-    if fuses_candidates(top_k, z.shape[1]):
+    if kernel_takes(top_k, z.shape[1], TOPK_SUB):
         return top_candidates(z, y, stats.sub_max, stats.teacher_lse, top_k, TOPK_SUB)
     return torch_candidates(z, y, stats, top_k)
 

@@ -23,7 +23,7 @@ from liger_dspine.ops.first_order import first_order_only
 from liger_dspine.ops.frozen_head_kernels import RowResults
 from liger_dspine.ops.frozen_head_kernels import check_inputs
 from liger_dspine.ops.frozen_head_kernels import chunk_passes
-from liger_dspine.ops.frozen_head_kernels import fuses_candidates
+from liger_dspine.ops.frozen_head_kernels import stats_write_grad
 from liger_dspine.ops.frozen_head_kernels import write_logit_grads
 from liger_dspine.ops.frozen_head_results import FrozenHeadLoss
 from liger_dspine.ops.frozen_head_results import FrozenHeadTerms
@@ -91,8 +91,7 @@ def _frozen_head_loss(
     results = RowResults(rows, top_k, has_teacher, False, device)
     grad_input = torch.empty(rows, draft_hidden.shape[1], dtype=torch.float32, device=device) if want_grad else None
 
-    # The stats kernel writes dz itself where it makes the candidates (or has none to make).
-    fused_grad = want_grad and (not has_teacher or fuses_candidates(top_k, head_weight.shape[0]))
+    fused_grad = want_grad and stats_write_grad(has_teacher, top_k, head_weight.shape[0])
     with torch.autocast(device.type, enabled=False):
         weight = head_weight.to(dtype)
         scales = (ce_scale, l1_scale) if fused_grad else None
