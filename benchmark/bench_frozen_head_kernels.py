@@ -31,7 +31,10 @@ DATA = os.path.join(HERE, "data")
 ROWS, TOP_K = 15360, 16  # the objective benchmark's rows (1024 blocks x 15 proposals) and candidates
 WIDTHS = ((4096, 151936), (7168, 129280))
 SETTINGS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16))
-FUSED_SETTINGS = ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 16))
+# the one-kernel chunk: (columns per step, warps, register cap or None); at 4096 / 8 the kernel takes 176 registers a
+# thread (one program an SM), capped at 128 two programs fit
+FUSED_SETTINGS = ((2048, 4, None), (2048, 8, None), (4096, 4, None), (4096, 8, None), (4096, 8, 128), (4096, 16, None),
+                  (8192, 16, None))  # fmt: skip
 
 
 def measure(torch) -> list[dict]:
@@ -93,20 +96,22 @@ def _measure_width(hidden: int, vocab: int, torch) -> list[dict]:
             target, y, labels, ce_scale, l1_scale, stats.draft_lse, stats.teacher_lse, stats.sign_mass
         )  # fmt: skip
 
-    def fused(block_v, warps, target):
-        ops.chunk_stats(target, y, labels, block_v, warps, top_k=TOP_K, grad_scales=(ce_scale, l1_scale))
+    def fused(block_v, warps, registers, target):
+        ops.chunk_stats(
+            target, y, labels, block_v, warps, top_k=TOP_K, grad_scales=(ce_scale, l1_scale), max_registers=registers
+        )  # fmt: skip
 
     target.copy_(z)
     apart(target)
     want.copy_(target)
     rows.append(_row(base, "stats+top-k+grad", "apart", in_use, median_ms(lambda: apart(target), torch),
                      7 * plane_gb, 0.0))  # fmt: skip
-    for block_v, warps in FUSED_SETTINGS:
-        setting = f"{block_v}/{warps}"
+    for block_v, warps, registers in FUSED_SETTINGS:
+        setting = f"{block_v}/{warps}" + (f" ({registers} registers)" if registers else "")
         target.copy_(z)
-        fused(block_v, warps, target)
+        fused(block_v, warps, registers, target)
         error = (target.float() - want.float()).abs().max().item()
-        ms = median_ms(lambda: fused(block_v, warps, target), torch)
+        ms = median_ms(lambda: fused(block_v, warps, registers, target), torch)
         rows.append(_row(base, "stats+top-k+grad", setting, in_use, ms, 7 * plane_gb, error))
 
     kernel = ops.chunk_candidates(z, y, reference, TOP_K)

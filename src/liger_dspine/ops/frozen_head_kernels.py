@@ -32,6 +32,7 @@ IGNORE_INDEX = -100
 TOPK_SUB = 256  # columns per sub-block whose maximum the stats kernel records
 _MAX_BLOCK_V = 4096
 STATS_WARPS = 8  # the stats kernel's (also when it makes the candidates and dz)
+STATS_MAX_REGISTERS = None  # the stats kernel's register cap a thread (None: the compiler's choice)
 GRAD_WARPS = 4  # the gradient kernel's: 13% faster than 8 at hidden 4096 on an H100 (bench_frozen_head_kernels.py)
 
 
@@ -246,9 +247,10 @@ def chunk_stats(
     warps: int = STATS_WARPS,
     top_k: int = 0,
     grad_scales: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    max_registers: int | None = STATS_MAX_REGISTERS,
 ) -> ChunkStats:
-    """The stats kernel over one chunk; ``block_v`` (columns per step, default :func:`_block_v`) and ``warps`` are
-    its launch settings.
+    """The stats kernel over one chunk; ``block_v`` (columns per step, default :func:`_block_v`), ``warps`` and
+    ``max_registers`` (a cap a thread for the compiler; None: its own choice) are its launch settings.
 
     With a teacher and a ``top_k`` that :func:`fuses_candidates`, the same kernel makes the candidates. With
     ``grad_scales`` (a, b: [C] fp32, b None without a teacher) it then overwrites z with dz, as
@@ -289,6 +291,7 @@ def chunk_stats(
         BLOCK_S=triton.next_power_of_2(num_sub),
         WRITE_GRAD=grad_scales is not None,
         num_warps=warps,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     return stats
 
