@@ -382,8 +382,9 @@ def configurations(args):
     parts = ("objective", "step", "accuracy") if args.part == "all" else (args.part,)
     for part in parts:
         if part == "objective":
+            chosen = [impl for impl in OBJECTIVE_VARIANTS if impl in args.variants.split(",")]
             for hidden, vocab in widths:
-                for impl in OBJECTIVE_VARIANTS:
+                for impl in chosen:
                     yield dict(part=part, hidden=hidden, vocab=vocab, impl=impl, config=f"objective-{hidden}")
         elif part == "step":
             for mode in args.modes.split(","):
@@ -488,7 +489,7 @@ def _number(text: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("objective", "step", "accuracy", "all"), default="all")
-    parser.add_argument("--variants", default=",".join(STEP_VARIANTS))
+    parser.add_argument("--variants", default=",".join(STEP_VARIANTS), help="also picks the objective's")
     parser.add_argument("--modes", default=",".join(STEP_MODES))
     parser.add_argument("--tiny", action="store_true", help="CPU plumbing check: tiny widths, fp32, interpreter")
     parser.add_argument("--name", default="dspine")
