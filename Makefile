@@ -48,13 +48,15 @@ test-slow: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) -m slow test/transformers
 
 # The tests marked `matrix` (those that use transformers' model classes), in this environment.
+MATRIX_MARKER ?= matrix
 test-fast: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) -m matrix test/transformers
+	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_PARALLEL) -m "$(MATRIX_MARKER)" test/transformers
 
-# The tests marked `matrix` against other transformers versions, each in its own environment (.venv-<version>).
+# The tests marked `matrix` against other transformers versions, each in its own environment (.venv-<version>); the
+# slow ones among them (whole-model training runs) run with the pinned version only, in test-slow.
 test-matrix:
 	set -e; for v in $(MATRIX_VERSIONS); do \
-		$(MAKE) test-fast VENV=.venv-$$v REQUIREMENTS=requirements/transformers-$$v.txt; \
+		$(MAKE) test-fast VENV=.venv-$$v REQUIREMENTS=requirements/transformers-$$v.txt MATRIX_MARKER="matrix and not slow"; \
 	done
 
 # The whole suite with the GPU machine's torch, triton and transformers, on CPU through Triton 3.6's interpreter.
