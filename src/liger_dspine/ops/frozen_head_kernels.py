@@ -32,7 +32,7 @@ IGNORE_INDEX = -100
 TOPK_SUB = 256  # columns per sub-block whose maximum the stats kernel records
 _MAX_BLOCK_V = 4096
 STATS_WARPS = 8  # the stats kernel's (also when it makes the candidates and dz)
-STATS_MAX_REGISTERS = None  # the stats kernel's register cap a thread (None: the compiler's choice)
+STATS_MAX_REGISTERS = None  # a register cap a thread for the stats kernel; 128 (two programs an SM) measured slower
 GRAD_WARPS = 4  # the gradient kernel's: 13% faster than 8 at hidden 4096 on an H100 (bench_frozen_head_kernels.py)
 
 
